@@ -1,0 +1,11 @@
+"""keras_keepgrad: see every batch's gradients during `model.fit`."""
+
+from keras_keepgrad.model import KeepGradModel
+from keras_keepgrad.model import keep_gradients
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KeepGradModel",
+    "keep_gradients",
+]

@@ -1,0 +1,47 @@
+"""The few private Keras pieces this package needs, in one place.
+
+Written against Keras 3.15 (TensorFlow backend). Each helper names what it
+reaches for and why no public API serves.
+"""
+
+import keras
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.losses.loss import unscale_loss_for_distribution
+from keras.src.models.functional import Functional
+from keras.src.models.model import functional_init_arguments
+
+__all__ = [
+    "Functional",
+    "TensorFlowTrainer",
+    "check_backend",
+    "data_spec_from_epoch_iterator",
+    "functional_init_arguments",
+    "unscale_loss_for_distribution",
+]
+
+
+def check_backend(what):
+    """Raises if Keras does not run on TensorFlow.
+
+    `KeepGradModel` overrides the TensorFlow `train_step`; on any other backend
+    it would silently keep nothing.
+    """
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise RuntimeError(
+            f"{what} requires the TensorFlow backend of Keras. Received: "
+            f"KERAS_BACKEND={backend!r}. Set the environment variable "
+            "KERAS_BACKEND=tensorflow (or `\"backend\": \"tensorflow\"` in "
+            "~/.keras/keras.json) before importing keras."
+        )
+
+
+def data_spec_from_epoch_iterator(epoch_iterator):
+    """The `tf.TypeSpec` structure of one batch of a `fit` epoch iterator.
+
+    Keras 3.15's `TFEpochIterator` keeps the (possibly distributed) dataset
+    in `_distributed_dataset`; its `element_spec` describes one batch
+    without pulling data. Returns None where that is not available.
+    """
+    dataset = getattr(epoch_iterator, "_distributed_dataset", None)
+    return getattr(dataset, "element_spec", None)

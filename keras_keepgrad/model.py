@@ -1,0 +1,363 @@
+"""`KeepGradModel` and `keep_gradients()`: what users call."""
+
+import warnings
+
+import keras
+import tensorflow as tf
+from keras import tree
+
+from keras_keepgrad import _compat
+from keras_keepgrad import _keeper
+
+__all__ = ["KeepGradModel", "keep_gradients"]
+
+_OPTIONS = ("keep_gradients", "save_gradients")
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"`{name}` must be a bool (True or False). Received: "
+            f"{name}={value!r} of type {type(value).__name__}"
+        )
+    return value
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad")
+class KeepGradModel(keras.Model):
+    """A `keras.Model` that keeps each training batch's gradients.
+
+    Use it exactly like `keras.Model`: functional construction, subclassing,
+    `compile`, `fit`, callbacks and saving all work as they do there. After
+    each training batch, `model.gradients` holds the gradient of the loss
+    with respect to every trainable variable: unscaled (dynamic
+    `LossScaleOptimizer` scale and static `loss_scale_factor` divided out),
+    before any optimizer transformation (clipping, weight decay, gradient
+    accumulation, EMA), dense, and with the dtype the optimizer's update
+    receives.
+
+    Args:
+        keep_gradients: Bool. Keep each training batch's gradients. With
+            False the model is a plain `keras.Model` in every variable, op
+            and saved array. Defaults to `True`.
+        save_gradients: Bool. Also write the kept gradients into Keras's own
+            saved files (`.keras`, `.weights.h5`). Defaults to `False`.
+        **kwargs: Passed on to `keras.Model`.
+
+    Example:
+
+    ```python
+    inputs = keras.Input((1,))
+    outputs = keras.layers.Dense(1, use_bias=False,
+                                 kernel_initializer="ones")(inputs)
+    model = KeepGradModel(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(np.array([[1.0], [2.0]]), np.zeros((2, 1)), batch_size=2)
+    # loss = mean((w*x)^2), d/dw = w * (1 + 4) = 5.0 at w = 1
+    model.gradients["dense"]["kernel"]  # [[5.0]]
+    ```
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is KeepGradModel and _compat.functional_init_arguments(args, kwargs):
+            # As `keras.Model(inputs, outputs)` returns a `Functional`.
+            return super().__new__(FunctionalKeepGradModel)
+        return super().__new__(cls)
+
+    def __init__(self, *args, keep_gradients=True, save_gradients=False, **kwargs):
+        _compat.check_backend(type(self).__name__)
+        _check_bool("keep_gradients", keep_gradients)
+        _check_bool("save_gradients", save_gradients)
+        if _compat.functional_init_arguments(args, kwargs):
+            if not isinstance(self, _compat.Functional):
+                _inject_functional(type(self))
+            # What `keras.Model.__init__` does for functional arguments, but
+            # without its rewrite of every base class up to `keras.Model`,
+            # which would turn `KeepGradModel` itself into a `Functional`
+            # subclass and break `class Net(KeepGradModel)` afterwards.
+            _compat.TensorFlowTrainer.__init__(self)
+            _compat.Functional.__init__(self, *args, **kwargs)
+        else:
+            super().__init__(*args, **kwargs)
+        self._keep_gradients = keep_gradients
+        self._save_gradients = save_gradients
+        self._keeper = None
+        self._data_spec = None
+
+    @property
+    def keep_gradients(self):
+        """Bool. Whether training keeps each batch's gradients."""
+        return self._keep_gradients
+
+    @keep_gradients.setter
+    def keep_gradients(self, value):
+        value = _check_bool("keep_gradients", value)
+        if value != self._keep_gradients:
+            # The training function is traced with or without keeping.
+            self.train_function = None
+        self._keep_gradients = value
+
+    @property
+    def save_gradients(self):
+        """Bool. Whether Keras's saved files include the kept gradients."""
+        return self._save_gradients
+
+    @save_gradients.setter
+    def save_gradients(self, value):
+        self._save_gradients = _check_bool("save_gradients", value)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            keep_gradients=self._keep_gradients,
+            save_gradients=self._save_gradients,
+        )
+        return config
+
+    # Training ----------------------------------------------------------
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # `fit`, `train_on_batch` (and `evaluate`) pass the data here before
+        # the training function is made: remember one batch's spec so the
+        # slots can be shaped from a traced gradient computation.
+        if iterator is not None:
+            self._data_spec = _compat.data_spec_from_epoch_iterator(iterator)
+        elif data_batch is not None:
+            self._data_spec = tree.map_structure(
+                lambda v: None if v is None else tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)),
+                data_batch,
+            )
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        if self._keep_gradients:
+            self._build_slots()
+        return super().make_train_function(force=force)
+
+    def _build_slots(self):
+        """Fresh zero slots, shaped and typed after a traced gradient step."""
+        if self._keeper is None:
+            self._keeper = _keeper.GradientKeeper()
+        spec, self._data_spec = self._data_spec, None
+        if spec is None:
+            # No batch seen yet (e.g. `make_train_function()` called by
+            # hand): the slots are created when the step is first traced.
+            return
+        strategy = self.distribute_strategy
+        with strategy.scope():
+            unbuilt = not all(layer.built for layer in self._flatten_layers())
+            if unbuilt or (self.optimizer is not None and not self.optimizer.built):
+                self._symbolic_build(data_batch=spec)
+        variables = list(self.trainable_variables)
+        if not variables:
+            return
+
+        @tf.function(autograph=False)
+        def traced_gradients(data):
+            return self._unscaled_gradients(data, variables, track_loss=False)[0]
+
+        grads = traced_gradients.get_concrete_function(spec).structured_outputs
+        self._keeper.rebuild(variables, grads, strategy)
+
+    def _unscaled_gradients(self, data, variables, track_loss=True):
+        """Forward, loss, scaled loss, tape; as Keras 3.15's TF `train_step`.
+
+        Returns the unscaled gradients to keep, the raw ones for the
+        optimizer, and what `compute_metrics` needs.
+        """
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            if self._call_has_training_arg:
+                y_pred = self(x, training=True)
+            else:
+                y_pred = self(x)
+            loss = self._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            )
+            if track_loss:
+                self._loss_tracker.update_state(
+                    _compat.unscale_loss_for_distribution(loss),
+                    sample_weight=tf.shape(
+                        next(i for i in tree.flatten(x) if i is not None)
+                    )[0],
+                )
+            if self.optimizer is not None:
+                loss = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(loss, variables)
+        kept = _keeper.unscale(self.optimizer, variables, grads)
+        return kept, grads, (x, y, y_pred, sample_weight)
+
+    def train_step(self, data):
+        if not self._keep_gradients:
+            return super().train_step(data)
+        if self._keeper is None:
+            self._keeper = _keeper.GradientKeeper()
+        variables = list(self.trainable_weights)
+        if not variables:
+            # As Keras: warn, skip the update, still report metrics.
+            warnings.warn("The model does not have any trainable weights.")
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            y_pred = self(x, training=True) if self._call_has_training_arg else self(x)
+            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        kept, grads, (x, y, y_pred, sample_weight) = self._unscaled_gradients(
+            data, variables
+        )
+        self._keeper.store(variables, kept, self.distribute_strategy)
+        self.optimizer.apply_gradients(zip(grads, variables))
+        flat = {v.path: g for v, g in zip(variables, kept)}
+        with _keeper.step_gradients(flat):
+            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    # Reading -----------------------------------------------------------
+
+    def _checked_keeper(self):
+        if not self._keep_gradients:
+            raise AttributeError(
+                f"Model {self.name!r} does not keep gradients. Build it with "
+                "`keep_gradients=True` (or set `model.keep_gradients = True` "
+                "and train again)."
+            )
+        if self._keeper is None or not self._keeper.built:
+            raise RuntimeError(
+                f"Model {self.name!r} has no kept gradients yet: train it first "
+                "(`fit` or `train_on_batch`); from the start of `fit` they "
+                "read as zeros."
+            )
+        current = tuple(v.path for v in self.trainable_variables)
+        if current != self._keeper.paths:
+            added = sorted(set(current) - set(self._keeper.paths))
+            removed = sorted(set(self._keeper.paths) - set(current))
+            raise RuntimeError(
+                "The kept gradients are stale: the trainable variables changed "
+                "since the training function was built (now trainable: "
+                f"{added}; no longer trainable: {removed}). Call "
+                "`model.compile(...)` again, or "
+                "`model.make_train_function(force=True)`, and train."
+            )
+        return self._keeper
+
+    @property
+    def gradients(self):
+        """The last training batch's gradients, nested like the variables.
+
+        A nested dict with the structure of
+        `model.get_state_tree()["trainable_variables"]`, whose leaves are
+        dense tensors.
+
+        Raises:
+            AttributeError: The model was built with `keep_gradients=False`.
+            RuntimeError: The model was not trained yet, or its trainable
+                variables changed since the training function was built.
+        """
+        return _keeper.nest_by_path(self._checked_keeper().read())
+
+    @property
+    def gradient_dtypes(self):
+        """`{variable path: tf.DType}` of the kept gradients (flat)."""
+        return self._checked_keeper().slot_dtypes()
+
+    def get_gradients_by_path(self):
+        """The last training batch's gradients as `{variable path: tensor}`."""
+        return self._checked_keeper().read()
+
+
+@keras.saving.register_keras_serializable(
+    package="keras_keepgrad"
+)
+class FunctionalKeepGradModel(KeepGradModel, _compat.Functional):
+    """What `KeepGradModel(inputs, outputs)` builds, as `keras.Model` builds
+    a `Functional`."""
+
+
+def _inject_functional(cls):
+    """Puts `Functional` under a user's subclass built from inputs/outputs.
+
+    Like Keras's `inject_functional_model_class`, but it stops at
+    `KeepGradModel` (replaced by `FunctionalKeepGradModel`) instead of
+    rewriting `KeepGradModel` itself.
+    """
+    if cls is KeepGradModel:
+        return FunctionalKeepGradModel
+    if cls is object or not issubclass(cls, KeepGradModel):
+        return cls
+    cls.__bases__ = tuple(_inject_functional(base) for base in cls.__bases__)
+    return cls
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad")
+class WrappedKeepGradModel(KeepGradModel):
+    """What `keep_gradients()` returns for a model that is not functional."""
+
+    def __init__(self, model, **kwargs):
+        super().__init__(**kwargs)
+        if isinstance(model, dict):
+            model = keras.saving.deserialize_keras_object(model)
+        self.model = model
+
+    def call(self, inputs, training=None):
+        if self.model._call_has_training_arg:
+            return self.model(inputs, training=training)
+        return self.model(inputs)
+
+    def build(self, input_shape):
+        if not self.model.built:
+            self.model.build(input_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config["model"] = keras.saving.serialize_keras_object(self.model)
+        return config
+
+
+def keep_gradients(model, **options):
+    """Returns a `KeepGradModel` that trains `model`'s own variables.
+
+    A functional or `Sequential` model (with an `Input`) becomes a functional
+    `KeepGradModel` over the same layers; any other model is wrapped. Either
+    way the variables are shared, so training the result trains `model`, and
+    the kept gradients are keyed by the same variable paths. If `model` was
+    compiled, the result is compiled with the same arguments and the same
+    optimizer object (its state carries over).
+
+    Args:
+        model: A `keras.Model`: Sequential, functional or subclassed.
+        **options: `keep_gradients` and `save_gradients`, as for
+            `KeepGradModel`.
+
+    Returns:
+        A `KeepGradModel`.
+
+    Raises:
+        TypeError: `model` is not a `keras.Model`, or an option is unknown
+            or not a bool.
+    """
+    _compat.check_backend("keep_gradients()")
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a `keras.Model` (Sequential, functional or "
+            f"subclassed). Received: model={model!r} of type "
+            f"{type(model).__name__}"
+        )
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"keep_gradients() got unknown options {unknown}. Valid options: "
+            f"{list(_OPTIONS)}"
+        )
+    inputs = outputs = None
+    if isinstance(model, (_compat.Functional, keras.Sequential)):
+        try:
+            inputs, outputs = model.inputs, model.outputs
+        except (AttributeError, ValueError):
+            inputs = None
+    if inputs:
+        kept = FunctionalKeepGradModel(inputs, outputs, name=model.name, **options)
+    else:
+        kept = WrappedKeepGradModel(model, name=model.name, **options)
+    if model.compiled:
+        config = dict(model._compile_config.config)
+        config["optimizer"] = model.optimizer
+        kept.compile(**config)
+    return kept
