@@ -113,10 +113,12 @@ def current_step_gradients():
     return getattr(_step, "grads", None)
 
 
-def _spec_of(grad):
+def _spec_of(grad, dense_shape, sparse):
     if isinstance(grad, tf.IndexedSlices):
         values = grad.values
-        return ("sparse", values.dtype, tuple(values.shape[1:]), grad.indices.dtype)
+        if sparse:
+            return ("sparse", values.dtype, tuple(values.shape[1:]), grad.indices.dtype)
+        return ("dense", values.dtype, tuple(dense_shape))
     return ("dense", grad.dtype, tuple(grad.shape))
 
 
@@ -159,7 +161,7 @@ class _Slot:
 
     def assign(self, grad):
         if self.indices is None:
-            self.values.assign(grad)
+            self.values.assign(densify(grad))
         else:
             self.values.assign(grad.values)
             self.indices.assign(grad.indices)
@@ -182,9 +184,16 @@ class GradientKeeper:
     The slots are plain `tf.Variable`s held by this object, which is not a
     Keras layer nor a `tf.train.Checkpoint` trackable: so they are never in
     `model.weights`, checkpoints or exports.
+
+    Args:
+        sparse: Bool. Store `tf.IndexedSlices` gradients as (values, indices)
+            of the batch's rows instead of densifying them on every step. XLA
+            cannot write a variable whose shape changes, so a model compiled
+            with `jit_compile=True` keeps them dense.
     """
 
-    def __init__(self):
+    def __init__(self, sparse=True):
+        self.sparse = sparse
         self._slots = {}
         # Paths of the variables the current training function writes, in
         # order; None until slots exist.
@@ -203,7 +212,7 @@ class GradientKeeper:
         self.paths = tuple(v.path for v in variables)
 
     def _slot_for(self, variable, grad, strategy):
-        spec = _spec_of(grad)
+        spec = _spec_of(grad, variable.shape, self.sparse)
         slot = self._slots.get(variable.path)
         if slot is None or slot.spec != spec:
             slot = _Slot(variable.path, spec, variable.shape, strategy)

@@ -138,8 +138,7 @@ class KeepGradModel(keras.Model):
 
     def _build_slots(self):
         """Fresh zero slots, shaped and typed after a traced gradient step."""
-        if self._keeper is None:
-            self._keeper = _keeper.GradientKeeper()
+        self._keeper = _keeper.GradientKeeper(sparse=not self.jit_compile)
         spec, self._data_spec = self._data_spec, None
         if spec is None:
             # No batch seen yet (e.g. `make_train_function()` called by
@@ -193,7 +192,7 @@ class KeepGradModel(keras.Model):
         if not self._keep_gradients:
             return super().train_step(data)
         if self._keeper is None:
-            self._keeper = _keeper.GradientKeeper()
+            self._keeper = _keeper.GradientKeeper(sparse=not self.jit_compile)
         variables = list(self.trainable_weights)
         if not variables:
             # As Keras: warn, skip the update, still report metrics.
