@@ -300,10 +300,6 @@ class WrappedKeepGradModel(KeepGradModel):
             return self.model(inputs, training=training)
         return self.model(inputs)
 
-    def build(self, input_shape):
-        if not self.model.built:
-            self.model.build(input_shape)
-
     def get_config(self):
         config = super().get_config()
         config["model"] = keras.saving.serialize_keras_object(self.model)

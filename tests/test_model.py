@@ -1,0 +1,554 @@
+"""End-to-end tests of `KeepGradModel` against CONTRACT.md "Model" and
+"What is kept", on numbers a person can check by hand (see conftest.py)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import MODES
+from conftest import W0
+from conftest import X
+from conftest import Y
+from conftest import dense_0
+
+import keras_keepgrad as kg
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def one_weight(cls=kg.KeepGradModel, dtype=None, **options):
+    inputs = keras.Input((1,))
+    return cls(inputs, dense_0(dtype=dtype)(inputs), **options)
+
+
+def kernel(model):
+    return model.gradients["dense_0"]["kernel"]
+
+
+class Recorder(keras.callbacks.Callback):
+    """Records the kept kernel gradient after each training batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+        self.at_begin = None
+
+    def on_train_begin(self, logs=None):
+        self.at_begin = kernel(self.model)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(float(kernel(self.model)[0, 0]))
+
+
+def run_py(code, env=None):
+    full_env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=240,
+    )
+
+
+# --- the analytic one-weight step -------------------------------------------
+
+
+def test_kept_gradient_is_5w_and_the_sgd_step(mode):
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
+    model.fit(X, Y, batch_size=2, epochs=1, verbose=0, shuffle=False)
+    kept = kernel(model).numpy()
+    new_w = model.get_weights()[0]
+    np.testing.assert_array_equal(kept, [[5 * W0]])  # 15
+    np.testing.assert_array_equal(new_w, [[1.5]])
+    np.testing.assert_allclose(kept, (W0 - new_w) / 0.1, rtol=1e-6)
+
+
+def test_every_batch_is_kept_in_order(mode):
+    # Three identical batches: 5w with w = 3, 1.5, 0.75.
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
+    rec = Recorder()
+    model.fit(np.tile(X, (3, 1)), np.tile(Y, (3, 1)), batch_size=2, shuffle=False,
+              verbose=0, callbacks=[rec])
+    assert rec.seen == [15.0, 7.5, 3.75]
+    # From the start of fit the slots read zeros of the traced dtype.
+    np.testing.assert_array_equal(rec.at_begin, [[0.0]])
+    assert rec.at_begin.dtype == tf.float32
+
+
+def test_train_on_batch_keeps_gradients(mode):
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
+    model.train_on_batch(X, Y)
+    np.testing.assert_array_equal(kernel(model), [[15.0]])
+    model.train_on_batch(X, Y)
+    np.testing.assert_array_equal(kernel(model), [[7.5]])
+
+
+def test_steps_per_execution_callbacks_see_the_last_step():
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                  steps_per_execution=3)
+    rec = Recorder()
+    model.fit(np.tile(X, (3, 1)), np.tile(Y, (3, 1)), batch_size=2, shuffle=False,
+              verbose=0, callbacks=[rec])
+    # One execution of three steps (15, 7.5, 3.75): the callback sees the last.
+    assert rec.seen == [3.75]
+
+
+def test_before_training_gradients_say_train_first():
+    model = one_weight()
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(RuntimeError, match="train it first"):
+        model.gradients
+
+
+# --- structure -----------------------------------------------------------
+
+
+def test_structure_equals_state_tree_and_frozen_layer_is_absent():
+    inputs = keras.Input((1,))
+    hidden = dense_0(name="frozen", w=2.0)
+    outputs = dense_0(name="head", w=W0)(hidden(inputs))
+    model = kg.KeepGradModel(inputs, outputs)
+    hidden.trainable = False
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
+    tree = model.get_state_tree()["trainable_variables"]
+    grads = model.gradients
+    assert tf.nest.map_structure(lambda _: 0, grads) == tf.nest.map_structure(
+        lambda _: 0, tree
+    )
+    assert "frozen" not in grads
+    np.testing.assert_array_equal(hidden.kernel.numpy(), [[2.0]])
+    # loss = mean((3*2*x)^2) -> d/dw_head = 2*w_head*h^2 mean = 2*3*4*2.5 = 60.
+    np.testing.assert_array_equal(grads["head"]["kernel"], [[60.0]])
+
+
+def test_recompile_after_unfreezing_rebuilds_the_slots():
+    inputs = keras.Input((1,))
+    hidden = dense_0(name="hidden", w=2.0)
+    model = kg.KeepGradModel(inputs, dense_0(name="head")(hidden(inputs)))
+    hidden.trainable = False
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
+    assert set(model.gradients) == {"head"}
+    hidden.trainable = True
+    with pytest.raises(RuntimeError, match="stale.*hidden/kernel"):
+        model.gradients
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
+    # y = 3*2*x: d/dw_hidden = 2*mean(y*3*x) = 2*3*6*2.5 = 90, head as above.
+    np.testing.assert_array_equal(model.gradients["hidden"]["kernel"], [[90.0]])
+    np.testing.assert_array_equal(model.gradients["head"]["kernel"], [[60.0]])
+
+
+def test_variable_the_loss_does_not_reach_keeps_zeros():
+    class TwoHeads(kg.KeepGradModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.used = dense_0(name="used")
+            self.unused = dense_0(name="unused")
+
+        def build(self, input_shape):
+            self.used.build(input_shape)
+            self.unused.build(input_shape)
+
+        def call(self, x):
+            return self.used(x)
+
+    model = TwoHeads()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.warns(UserWarning, match="Gradients do not exist"):
+        model.fit(X, Y, batch_size=2, verbose=0)
+    grads = model.gradients["two_heads"]
+    np.testing.assert_array_equal(grads["used"]["kernel"], [[15.0]])
+    np.testing.assert_array_equal(grads["unused"]["kernel"], [[0.0]])
+    assert grads["unused"]["kernel"].dtype == tf.float32
+
+
+# --- loss scaling and mixed precision ------------------------------------
+
+
+SCALINGS = {
+    "none": lambda: keras.optimizers.SGD(0.1),
+    "static": lambda: keras.optimizers.SGD(0.1, loss_scale_factor=1024.0),
+    "dynamic": lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=256.0, dynamic_growth_steps=2
+    ),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_kept_gradients_are_unscaled_in_every_scaling_mode(jit):
+    seen = {}
+    for name, make in SCALINGS.items():
+        model = one_weight()
+        model.compile(optimizer=make(), loss="mse", jit_compile=jit)
+        rec = Recorder()
+        # Four steps: the dynamic scale doubles twice on the way.
+        model.fit(np.tile(X, (4, 1)), np.tile(Y, (4, 1)), batch_size=2,
+                  shuffle=False, verbose=0, callbacks=[rec])
+        seen[name] = (rec.seen, model.get_weights()[0].tolist())
+    assert seen["none"][0] == [15.0, 7.5, 3.75, 1.875]
+    assert seen["static"] == seen["none"]
+    assert seen["dynamic"] == seen["none"]
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_policies_end_to_end(policy):
+    keras.config.set_dtype_policy(policy)
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    if policy == "mixed_float16":
+        # Keras wraps the optimizer itself under mixed_float16.
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    rec = Recorder()
+    model.fit(np.tile(X, (4, 1)), np.tile(Y, (4, 1)), batch_size=2, shuffle=False,
+              verbose=0, callbacks=[rec])
+    # 3, 6, 1.5, 3 and their squares are exact in float16 and bfloat16.
+    if policy == "mixed_bfloat16":
+        assert rec.seen == [15.0, 7.5, 3.75, 1.875]
+    else:
+        # Keras's default scale 2**15 overflows the float16 activations'
+        # gradients (6 * scale > 65504) until it has halved to 4096: three
+        # skipped steps that keep their non-finite gradients, then 5w.
+        assert [np.isfinite(g) for g in rec.seen] == [False, False, False, True]
+        assert rec.seen[3] == 15.0
+    assert model.gradient_dtypes == {"dense_0/kernel": tf.float32}
+
+
+class RecordingSGD(keras.optimizers.SGD):
+    """Records the gradient dtypes its update receives (at trace time)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.received = []
+
+    def apply(self, grads, trainable_variables=None):
+        self.received.append([tf.as_dtype(g.dtype) for g in grads])
+        return super().apply(grads, trainable_variables)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("loss_scale", ["dynamic", "none"])
+def test_slot_dtype_is_what_the_inner_optimizer_receives(dtype, loss_scale):
+    model = one_weight(dtype=dtype)
+    inner = RecordingSGD(0.1)
+    optimizer = inner
+    if loss_scale == "dynamic":
+        optimizer = keras.optimizers.LossScaleOptimizer(inner, initial_scale=4.0)
+    model.compile(optimizer=optimizer, loss="mse")
+    rec = Recorder()
+    model.fit(X, Y, batch_size=2, verbose=0, callbacks=[rec])
+    received = inner.received[-1][0]
+    # float16/bfloat16 gradients divided by the float32 dynamic scale are
+    # float32; without a LossScaleOptimizer they keep the variable's dtype.
+    expected = tf.float32 if loss_scale == "dynamic" else tf.as_dtype(dtype)
+    assert received == expected
+    assert model.gradient_dtypes["dense_0/kernel"] == expected
+    assert rec.at_begin.dtype == expected  # the initial zeros, too
+    assert kernel(model).dtype == expected
+    assert rec.seen == [15.0]
+
+
+def test_step_skipped_by_dynamic_scaling_keeps_its_non_finite_gradients():
+    # float16 kernel: the scaled gradient 15*scale overflows float16 (65504)
+    # and so do the y*scale on the way, until scale = 4096.
+    model = one_weight(dtype="float16")
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=32768.0
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    rec = Recorder()
+    model.fit(np.tile(X, (4, 1)), np.tile(Y, (4, 1)), batch_size=2, shuffle=False,
+              verbose=0, callbacks=[rec])
+    assert [np.isfinite(g) for g in rec.seen] == [False, False, False, True]
+    assert rec.seen[3] == 15.0  # the skipped steps left w = 3 unchanged
+    np.testing.assert_array_equal(model.get_weights()[0], [[1.5]])
+    assert float(optimizer.dynamic_scale.numpy()) == 4096.0
+
+
+# --- optimizer transformations -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(clipnorm=1.0),
+        dict(global_clipnorm=1.0),
+        dict(clipvalue=0.5),
+        dict(weight_decay=0.5),
+        dict(gradient_accumulation_steps=2),
+        dict(use_ema=True, ema_momentum=0.5),
+    ],
+    ids=lambda o: next(iter(o)),
+)
+def test_kept_gradients_are_pre_transform(options):
+    kept = one_weight()
+    kept.compile(optimizer=keras.optimizers.SGD(0.1, **options), loss="mse")
+    plain = one_weight(cls=keras.Model)
+    plain.compile(optimizer=keras.optimizers.SGD(0.1, **options), loss="mse")
+    rec = Recorder()
+    data = np.tile(X, (2, 1)), np.tile(Y, (2, 1))
+    kept.fit(*data, batch_size=2, shuffle=False, verbose=0, callbacks=[rec])
+    plain.fit(*data, batch_size=2, shuffle=False, verbose=0)
+    np.testing.assert_array_equal(kept.get_weights()[0], plain.get_weights()[0])
+    w1 = float(plain.get_weights()[0][0, 0])
+    if "gradient_accumulation_steps" in options:
+        w1 = W0  # the first batch only accumulates
+    else:
+        # The optimizer moved w by less (or other) than 0.1 * 15.
+        assert w1 != 1.5
+    assert rec.seen[0] == 15.0
+    if "gradient_accumulation_steps" not in options:
+        # Second batch: 5 * w after the first update, whatever it was.
+        w_after_first = None
+        plain2 = one_weight(cls=keras.Model)
+        plain2.compile(optimizer=keras.optimizers.SGD(0.1, **options), loss="mse")
+        plain2.fit(X, Y, batch_size=2, verbose=0)
+        w_after_first = float(plain2.get_weights()[0][0, 0])
+        assert rec.seen[1] == pytest.approx(5 * w_after_first, rel=1e-6)
+    else:
+        assert rec.seen[1] == 15.0
+
+
+def test_overwrite_with_gradient_variables_keep_the_value_written():
+    class Scaled(keras.layers.Layer):
+        def build(self, input_shape):
+            self.w = self.add_weight(
+                shape=(), initializer=keras.initializers.Constant(W0), name="w"
+            )
+            # Like an FP8 scale: the optimizer writes its "gradient" into it.
+            self.s = self.add_weight(
+                shape=(), initializer="zeros", name="s", overwrite_with_gradient=True
+            )
+
+        def call(self, x):
+            return x * self.w
+
+    inputs = keras.Input((1,))
+    layer = Scaled(name="scaled")
+    model = kg.KeepGradModel(inputs, layer(inputs))
+
+    class PlusNineS(keras.losses.Loss):
+        def call(self, y_true, y_pred):
+            # d(loss)/ds = 9, so Keras assigns s = 9.
+            return keras.ops.mean(keras.ops.square(y_pred), axis=-1) + 9.0 * layer.s
+
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=PlusNineS())
+    model.fit(X, Y, batch_size=2, verbose=0)
+    assert float(layer.s.numpy()) == 9.0
+    np.testing.assert_array_equal(model.gradients["scaled"]["s"], 9.0)
+    np.testing.assert_array_equal(model.gradients["scaled"]["w"], 15.0)
+
+
+# --- sparse gradients ----------------------------------------------------
+
+
+@pytest.mark.parametrize("mode_name", list(MODES))
+def test_embedding_gradient_is_dense_with_repeated_ids_summed(mode_name):
+    ids = np.array([[1, 1, 3], [0, 1, 4]], dtype="int32")
+    inputs = keras.Input((3,), dtype="int32")
+    embed = keras.layers.Embedding(5, 2, embeddings_initializer="ones", name="emb")
+    head = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", name="head")
+    model = kg.KeepGradModel(inputs, head(keras.layers.Flatten()(embed(inputs))))
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **MODES[mode_name])
+    y = np.zeros((2, 1), dtype="float32")
+    model.fit(ids, y, batch_size=2, verbose=0)
+
+    with tf.GradientTape() as tape:
+        loss = keras.losses.MeanSquaredError()(y, model(ids))
+    reference = tf.convert_to_tensor(tape.gradient(loss, embed.embeddings))
+    kept = model.gradients["emb"]["embeddings"]
+    np.testing.assert_array_equal(kept, reference)
+    # By hand: every output is 6, d(loss)/d(output) = 6 per sample, each
+    # occurrence of an id adds 6 per component: id 1 occurs 3 times.
+    np.testing.assert_array_equal(kept[:, 0], [6.0, 18.0, 0.0, 6.0, 6.0])
+
+
+# --- keep_gradients=False and what is not saved --------------------------
+
+
+def test_off_is_a_plain_keras_model():
+    off = one_weight(keep_gradients=False)
+    plain = one_weight(cls=keras.Model)
+    for model in (off, plain):
+        model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+        model.fit(X, Y, batch_size=2, verbose=0)
+    def described(variables):
+        return [(v.name, tuple(v.shape), v.dtype) for v in variables]
+
+    assert [v.path for v in off.variables] == [v.path for v in plain.variables]
+    assert described(off.optimizer.variables) == described(plain.optimizer.variables)
+    assert len(off.optimizer.variables) == 4  # iteration, lr, momentum, velocity
+    for a, b in zip(off.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert off._keeper is None
+    with pytest.raises(AttributeError, match="keep_gradients=True"):
+        off.gradients
+
+
+def test_off_traces_exactly_the_ops_of_a_plain_model():
+    def op_count(model):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(X, Y, batch_size=2, verbose=0)  # builds everything
+        spec = (tf.TensorSpec((2, 1)), tf.TensorSpec((2, 1)))
+        graph = tf.function(model.train_step).get_concrete_function(spec).graph
+        return sorted(op.type for op in graph.get_operations())
+
+    plain = op_count(one_weight(cls=keras.Model))
+    assert op_count(one_weight(keep_gradients=False)) == plain
+    # And keeping adds exactly one write for the one variable.
+    kept = op_count(one_weight())
+    assert len(kept) > len(plain)
+    assert kept.count("AssignVariableOp") == plain.count("AssignVariableOp") + 1
+
+
+def test_kept_gradients_are_not_weights_nor_checkpointed(tmp_path):
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
+    slots = model._keeper.slot_variables()
+    assert len(slots) == 1
+    assert len(model.weights) == 1 and len(model.get_weights()) == 1
+    assert all(s is not v.value for s in slots for v in model.variables)
+    model.set_weights([np.array([[2.0]], dtype="float32")])
+    np.testing.assert_array_equal(kernel(model), [[15.0]])  # untouched
+    path = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+    names = [name for name, _ in tf.train.list_variables(path)]
+    assert not [n for n in names if "kept_gradient" in n]
+    plain = one_weight(cls=keras.Model)
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    plain.fit(X, Y, batch_size=2, verbose=0)
+    plain_path = tf.train.Checkpoint(model=plain).write(str(tmp_path / "plain"))
+    assert len(names) == len(tf.train.list_variables(plain_path))
+
+
+# --- construction --------------------------------------------------------
+
+
+def test_functional_and_subclassing_work_in_both_orders():
+    functional = """
+        inputs = keras.Input((1,))
+        f = kg.KeepGradModel(inputs, keras.layers.Dense(1)(inputs))
+        assert isinstance(f, kg.KeepGradModel) and isinstance(f, keras.Model)
+    """
+    subclass = """
+        class Net(kg.KeepGradModel):
+            def __init__(self, **kw):
+                super().__init__(**kw)
+                self.d = keras.layers.Dense(1)
+            def call(self, x):
+                return self.d(x)
+        n = Net()
+        n.compile(optimizer="sgd", loss="mse")
+        n.fit(np.ones((2, 1)), np.zeros((2, 1)), verbose=0)
+        assert n.gradients
+    """
+    functional_subclass = """
+        class FNet(kg.KeepGradModel):
+            def __init__(self, **kw):
+                inputs = keras.Input((1,))
+                super().__init__(inputs, keras.layers.Dense(1)(inputs), **kw)
+        fn = FNet()
+        fn.compile(optimizer="sgd", loss="mse")
+        fn.fit(np.ones((2, 1)), np.zeros((2, 1)), verbose=0)
+        assert fn.gradients and isinstance(fn, kg.KeepGradModel)
+    """
+    head = "import keras, numpy as np\nimport keras_keepgrad as kg\n"
+    for order in ([functional, subclass, functional_subclass, subclass],
+                  [subclass, functional_subclass, functional, subclass]):
+        code = head + "".join(textwrap.dedent(part) for part in order)
+        code += "\nassert kg.KeepGradModel.__bases__ == (keras.Model,)\nprint('ok')\n"
+        result = run_py(code)
+        assert result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kind", ["sequential", "functional", "subclassed"])
+def test_keep_gradients_shares_the_original_variables(kind):
+    if kind == "sequential":
+        original = keras.Sequential([keras.Input((1,)), dense_0()])
+    elif kind == "functional":
+        inputs = keras.Input((1,))
+        original = keras.Model(inputs, dense_0()(inputs))
+    else:
+        class Net(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.d = dense_0()
+
+            def call(self, x, training=None):
+                return self.d(x)
+
+        original = Net()
+    model = kg.keep_gradients(original)
+    assert isinstance(model, kg.KeepGradModel) and model.keep_gradients
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
+    np.testing.assert_array_equal(original.get_weights()[0], [[1.5]])
+    flat = model.get_gradients_by_path()
+    assert list(flat) == [v.path for v in original.trainable_variables]
+    np.testing.assert_array_equal(list(flat.values())[0], [[15.0]])
+
+
+def test_keep_gradients_carries_over_compile_and_optimizer_state():
+    original = one_weight(cls=keras.Model)
+    original.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    original.fit(X, Y, batch_size=2, verbose=0)  # w = 1.5
+    model = kg.keep_gradients(original, save_gradients=True)
+    assert model.optimizer is original.optimizer and model.save_gradients
+    model.fit(X, Y, batch_size=2, verbose=0)
+    np.testing.assert_array_equal(kernel(model), [[7.5]])
+    assert int(model.optimizer.iterations.numpy()) == 2
+
+
+def test_options_are_stored_and_in_get_config():
+    model = one_weight(keep_gradients=False, save_gradients=True)
+    config = model.get_config()
+    assert config["keep_gradients"] is False and config["save_gradients"] is True
+    assert model.keep_gradients is False and model.save_gradients is True
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(keep_gradients="yes"), r"`keep_gradients` must be a bool.*keep_gradients='yes'"),
+        (dict(keep_gradients=1), r"`keep_gradients` must be a bool.*keep_gradients=1 of type int"),
+        (dict(save_gradients=None), r"`save_gradients` must be a bool.*save_gradients=None"),
+    ],
+)
+def test_bad_options_are_rejected(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        one_weight(**kwargs)
+    with pytest.raises(TypeError, match=match):
+        kg.keep_gradients(one_weight(cls=keras.Model), **kwargs)
+
+
+def test_keep_gradients_rejects_what_is_not_a_model():
+    with pytest.raises(TypeError, match=r"`model` must be a `keras.Model`.*Dense"):
+        kg.keep_gradients(keras.layers.Dense(1))
+    with pytest.raises(TypeError, match=r"unknown options \['keep_grads'\]"):
+        kg.keep_gradients(one_weight(cls=keras.Model), keep_grads=True)
+
+
+def test_other_backends_are_refused_with_a_clear_error(monkeypatch):
+    # Only TensorFlow is installed here, so the check is exercised as it
+    # reads the backend: through `keras.backend.backend()`.
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    match = r"requires the TensorFlow backend.*KERAS_BACKEND='jax'.*KERAS_BACKEND=tensorflow"
+    with pytest.raises(RuntimeError, match=match):
+        one_weight()
+    monkeypatch.undo()
+    plain = one_weight(cls=keras.Model)
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(RuntimeError, match=match):
+        kg.keep_gradients(plain)
