@@ -195,6 +195,7 @@ class GradientKeeper:
     def __init__(self, sparse=True):
         self.sparse = sparse
         self._slots = {}
+        self._step = None  # counts steps, only with `keep_every > 1`
         # Paths of the variables the current training function writes, in
         # order; None until slots exist.
         self.paths = None
@@ -219,16 +220,35 @@ class GradientKeeper:
             self._slots[variable.path] = slot
         return slot
 
-    def store(self, variables, grads, strategy):
+    def store(self, variables, grads, strategy, every=1):
         """Writes one step's unscaled gradients; creates missing slots.
 
         A slot is only created here when no spec was traced beforehand (e.g.
         `train_step` called directly); `tf.init_scope` lifts it out of the
-        function being traced.
+        function being traced. With `every > 1` only steps 1, 1 + every,
+        1 + 2 * every, ... are written (counted by the keeper itself, so
+        skipped loss-scale steps and gradient accumulation count as steps).
         """
-        for variable, grad in zip(variables, grads):
-            self._slot_for(variable, grad, strategy).assign(grad)
+        slots = [self._slot_for(v, g, strategy) for v, g in zip(variables, grads)]
         self.paths = tuple(v.path for v in variables)
+
+        def write():
+            for slot, grad in zip(slots, grads):
+                slot.assign(grad)
+            return tf.constant(True)
+
+        if every == 1:
+            write()
+            return
+        if self._step is None:
+            with tf.init_scope(), strategy.scope():
+                self._step = tf.Variable(
+                    tf.constant(0, tf.int64), trainable=False, name="kept_gradient/step"
+                )
+        tf.cond(
+            tf.equal(self._step % every, 0), write, lambda: tf.constant(False)
+        )
+        self._step.assign_add(1)
 
     def slot_dtypes(self):
         """`{path: dtype}` of the slots the training function writes."""

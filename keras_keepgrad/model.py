@@ -11,7 +11,7 @@ from keras_keepgrad import _keeper
 
 __all__ = ["KeepGradModel", "keep_gradients"]
 
-_OPTIONS = ("keep_gradients", "save_gradients")
+_OPTIONS = ("keep_gradients", "save_gradients", "keep_every")
 
 
 def _check_bool(name, value):
@@ -19,6 +19,15 @@ def _check_bool(name, value):
         raise TypeError(
             f"`{name}` must be a bool (True or False). Received: "
             f"{name}={value!r} of type {type(value).__name__}"
+        )
+    return value
+
+
+def _check_keep_every(value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            "`keep_every` must be a positive int (1 keeps every step). "
+            f"Received: keep_every={value!r}"
         )
     return value
 
@@ -42,6 +51,10 @@ class KeepGradModel(keras.Model):
             and saved array. Defaults to `True`.
         save_gradients: Bool. Also write the kept gradients into Keras's own
             saved files (`.keras`, `.weights.h5`). Defaults to `False`.
+        keep_every: Positive int. Write the slots on training steps 1,
+            1 + N, 1 + 2N, ... only, to amortize their cost; in between,
+            `model.gradients` holds the last written step's gradients.
+            Gradient metrics still see every step. Defaults to `1`.
         **kwargs: Passed on to `keras.Model`.
 
     Example:
@@ -64,10 +77,13 @@ class KeepGradModel(keras.Model):
             return super().__new__(FunctionalKeepGradModel)
         return super().__new__(cls)
 
-    def __init__(self, *args, keep_gradients=True, save_gradients=False, **kwargs):
+    def __init__(
+        self, *args, keep_gradients=True, save_gradients=False, keep_every=1, **kwargs
+    ):
         _compat.check_backend(type(self).__name__)
         _check_bool("keep_gradients", keep_gradients)
         _check_bool("save_gradients", save_gradients)
+        _check_keep_every(keep_every)
         if _compat.functional_init_arguments(args, kwargs):
             if not isinstance(self, _compat.Functional):
                 _inject_functional(type(self))
@@ -81,6 +97,7 @@ class KeepGradModel(keras.Model):
             super().__init__(*args, **kwargs)
         self._keep_gradients = keep_gradients
         self._save_gradients = save_gradients
+        self._keep_every = keep_every
         self._keeper = None
         self._data_spec = None
 
@@ -106,11 +123,24 @@ class KeepGradModel(keras.Model):
     def save_gradients(self, value):
         self._save_gradients = _check_bool("save_gradients", value)
 
+    @property
+    def keep_every(self):
+        """Int. Slots are written on training steps 1, 1 + N, 1 + 2N, ..."""
+        return self._keep_every
+
+    @keep_every.setter
+    def keep_every(self, value):
+        value = _check_keep_every(value)
+        if value != self._keep_every:
+            self.train_function = None
+        self._keep_every = value
+
     def get_config(self):
         config = super().get_config()
         config.update(
             keep_gradients=self._keep_gradients,
             save_gradients=self._save_gradients,
+            keep_every=self._keep_every,
         )
         return config
 
@@ -203,7 +233,9 @@ class KeepGradModel(keras.Model):
         kept, grads, (x, y, y_pred, sample_weight) = self._unscaled_gradients(
             data, variables
         )
-        self._keeper.store(variables, kept, self.distribute_strategy)
+        self._keeper.store(
+            variables, kept, self.distribute_strategy, every=self._keep_every
+        )
         self.optimizer.apply_gradients(zip(grads, variables))
         flat = {v.path: g for v, g in zip(variables, kept)}
         with _keeper.step_gradients(flat):
@@ -318,8 +350,8 @@ def keep_gradients(model, **options):
 
     Args:
         model: A `keras.Model`: Sequential, functional or subclassed.
-        **options: `keep_gradients` and `save_gradients`, as for
-            `KeepGradModel`.
+        **options: `keep_gradients`, `save_gradients` and `keep_every`, as
+            for `KeepGradModel`.
 
     Returns:
         A `KeepGradModel`.

@@ -552,3 +552,20 @@ def test_other_backends_are_refused_with_a_clear_error(monkeypatch):
     monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
     with pytest.raises(RuntimeError, match=match):
         kg.keep_gradients(plain)
+
+
+def test_keep_every_writes_steps_1_3_5_and_holds_between(mode):
+    model = one_weight(keep_every=2)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
+    rec = Recorder()
+    model.fit(np.tile(X, (5, 1)), np.tile(Y, (5, 1)), batch_size=2, shuffle=False,
+              verbose=0, callbacks=[rec])
+    # 5w at w = 3, 1.5, 0.75, 0.375, 0.1875; only steps 1, 3, 5 are written.
+    assert rec.seen == [15.0, 15.0, 3.75, 3.75, 0.9375]
+    assert model.get_config()["keep_every"] == 2
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_bad_keep_every_is_rejected(value):
+    with pytest.raises(ValueError, match=r"`keep_every` must be a positive int.*Received: keep_every="):
+        one_weight(keep_every=value)
