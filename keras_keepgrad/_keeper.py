@@ -258,6 +258,27 @@ class GradientKeeper:
         """`{path: dense tensor}` of the last kept step, in variable order."""
         return {path: self._slots[path].read() for path in self.paths}
 
+    def restore(self, variables, arrays, strategy):
+        """Writes saved dense gradients (`{path: array}`) into the slots.
+
+        Used when loading a file saved with `save_gradients=True`. Existing
+        slots are written in place (a traced training function keeps writing
+        the same variables; sparse ones get every row); missing slots are
+        created dense, with the saved dtype.
+        """
+        for variable in variables:
+            value = tf.convert_to_tensor(arrays[variable.path])
+            slot = self._slots.get(variable.path)
+            if slot is None:
+                spec = ("dense", value.dtype, tuple(value.shape))
+                slot = _Slot(variable.path, spec, variable.shape, strategy)
+                self._slots[variable.path] = slot
+            if slot.indices is not None:
+                rows = tf.range(tf.shape(value)[0], dtype=slot.indices.dtype)
+                value = tf.IndexedSlices(value, rows, slot.dense_shape)
+            slot.assign(value)
+        self.paths = tuple(v.path for v in variables)
+
     def slot_variables(self):
         """Every `tf.Variable` the keeper holds (for tests and saving)."""
         out = []

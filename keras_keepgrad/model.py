@@ -8,6 +8,7 @@ from keras import tree
 
 from keras_keepgrad import _compat
 from keras_keepgrad import _keeper
+from keras_keepgrad import _saving
 
 __all__ = ["KeepGradModel", "keep_gradients"]
 
@@ -240,6 +241,15 @@ class KeepGradModel(keras.Model):
         flat = {v.path: g for v, g in zip(variables, kept)}
         with _keeper.step_gradients(flat):
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    # Saving ------------------------------------------------------------
+
+    @property
+    def _kept_gradients(self):
+        # Keras's saving walks `dir(model)`: this saveable writes the kept
+        # gradients into `.keras` / `.weights.h5` files only with
+        # `save_gradients=True`, and loading restores them (`_saving.py`).
+        return _saving.kept_gradients_state(self)
 
     # Reading -----------------------------------------------------------
 
