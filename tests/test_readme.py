@@ -1,0 +1,36 @@
+"""The README's promises: two commands, and a ten-line example that runs."""
+
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read_readme():
+    with open(os.path.join(REPO, "README.md")) as f:
+        return f.read()
+
+
+def test_readme_has_the_demo_and_the_test_command():
+    text = read_readme()
+    section = text.split("## Two commands")[1].split("\n## ")[0]
+    commands = re.findall(r"```bash\n(.*?)\n```", section, re.S)
+    assert commands == [
+        'pip install -e ".[cpu]" && python -m keras_keepgrad.demo --logdir runs/demo',
+        'pip install -e ".[cpu,test]" && python -m pytest',
+    ]
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        ci = f.read()
+    assert '-e ".[cpu,test]"' in ci and "python3 -m pytest" in ci
+
+
+def test_ten_line_example_prints_5():
+    text = read_readme()
+    example = text.split("## Ten lines")[1].split("```python\n")[1].split("```")[0]
+    assert len([l for l in example.splitlines() if l.strip()]) <= 10
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run([sys.executable, "-c", example], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert "tf.Tensor([[5.]]" in out.stdout, out.stderr[-2000:]
