@@ -5,6 +5,8 @@ reaches for and why no public API serves.
 """
 
 import keras
+from keras.src.backend.common.stateless_scope import in_stateless_scope
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
@@ -16,6 +18,7 @@ __all__ = [
     "check_backend",
     "data_spec_from_epoch_iterator",
     "functional_init_arguments",
+    "in_symbolic_build",
     "unscale_loss_for_distribution",
 ]
 
@@ -45,3 +48,13 @@ def data_spec_from_epoch_iterator(epoch_iterator):
     """
     dataset = getattr(epoch_iterator, "_distributed_dataset", None)
     return getattr(dataset, "element_spec", None)
+
+
+def in_symbolic_build():
+    """Whether Keras is tracing with symbolic tensors, not running a step.
+
+    Keras 3.15's `Trainer._symbolic_build` calls `compute_metrics` once
+    under `compute_output_spec` (a stateless, symbolic scope) to create the
+    metrics' state before training; no public API tells that apart.
+    """
+    return in_symbolic_scope() or in_stateless_scope()

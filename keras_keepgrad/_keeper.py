@@ -20,7 +20,10 @@ from keras import ops
 __all__ = [
     "GradientKeeper",
     "current_step_gradients",
+    "current_step_variables",
     "densify",
+    "evaluation_step",
+    "in_evaluation_step",
     "nest_by_path",
     "unscale",
 ]
@@ -95,14 +98,39 @@ _step = threading.local()
 
 
 @contextlib.contextmanager
-def step_gradients(flat_grads):
-    """Makes this step's kept gradients (`{path: grad}`) visible to metrics."""
-    previous = getattr(_step, "grads", None)
-    _step.grads = flat_grads
+def step_gradients(flat_grads, variables=None):
+    """Makes this step's kept gradients (`{path: grad}`) visible to metrics.
+
+    `variables` (`{path: variable}`, already updated by the optimizer) is
+    for metrics that measure the update itself.
+    """
+    previous = getattr(_step, "grads", None), getattr(_step, "variables", None)
+    _step.grads, _step.variables = flat_grads, variables
     try:
         yield
     finally:
-        _step.grads = previous
+        _step.grads, _step.variables = previous
+
+
+def current_step_variables():
+    """The `{path: variable}` of the training step being run, else None."""
+    return getattr(_step, "variables", None)
+
+
+@contextlib.contextmanager
+def evaluation_step():
+    """Marks a test step: gradient metrics skip it instead of failing."""
+    previous = getattr(_step, "evaluating", False)
+    _step.evaluating = True
+    try:
+        yield
+    finally:
+        _step.evaluating = previous
+
+
+def in_evaluation_step():
+    """Whether a `KeepGradModel` test step is being traced or run."""
+    return getattr(_step, "evaluating", False)
 
 
 def current_step_gradients():

@@ -230,7 +230,8 @@ class KeepGradModel(keras.Model):
             warnings.warn("The model does not have any trainable weights.")
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
             y_pred = self(x, training=True) if self._call_has_training_arg else self(x)
-            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            with _keeper.step_gradients({}, {}):
+                return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         kept, grads, (x, y, y_pred, sample_weight) = self._unscaled_gradients(
             data, variables
         )
@@ -239,8 +240,13 @@ class KeepGradModel(keras.Model):
         )
         self.optimizer.apply_gradients(zip(grads, variables))
         flat = {v.path: g for v, g in zip(variables, kept)}
-        with _keeper.step_gradients(flat):
+        with _keeper.step_gradients(flat, {v.path: v for v in variables}):
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def test_step(self, data):
+        # Gradient metrics (`keras_keepgrad.metrics`) skip evaluation steps.
+        with _keeper.evaluation_step():
+            return super().test_step(data)
 
     # Saving ------------------------------------------------------------
 
