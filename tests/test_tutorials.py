@@ -1,0 +1,26 @@
+"""Every tutorial runs, in its fast mode, and its own asserts hold."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TUTORIALS = sorted(glob.glob(os.path.join(REPO, "tutorials", "*.py")))
+
+
+def test_there_are_tutorials():
+    names = {os.path.basename(p) for p in TUTORIALS}
+    assert "mixed_precision.py" in names
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=os.path.basename)
+def test_tutorial_runs(path, tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run(
+        [sys.executable, path, "--fast"], cwd=tmp_path, capture_output=True,
+        text=True, env=env, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
