@@ -297,7 +297,7 @@ class GradientKeeper:
         for variable in variables:
             value = tf.convert_to_tensor(arrays[variable.path])
             slot = self._slots.get(variable.path)
-            if slot is None:
+            if slot is None or slot.dtype != value.dtype:
                 spec = ("dense", value.dtype, tuple(value.shape))
                 slot = _Slot(variable.path, spec, variable.shape, strategy)
                 self._slots[variable.path] = slot

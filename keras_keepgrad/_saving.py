@@ -13,17 +13,23 @@ file. A `KeepGradModel` exposes one more such saveable, under the attribute
   a plain model both ways.
 - With `save_gradients=True` (and `keep_gradients=True`, after training), it
   writes the last kept batch's gradients as dense arrays, with the dtype the
-  optimizer received, in the group `<model group>/_kept_gradients/vars`, one
-  dataset per trainable variable named by its `variable.path` with "/"
-  escaped (`urllib.parse.quote(path, safe="")`: "dense/kernel" is stored as
-  "dense%2Fkernel"). A plain model never visits that group, so it loads such
-  a file too, ignoring the gradients.
-- Loading restores saved gradients exactly, matched by variable path. They
-  must cover exactly the model's trainable variables, with their shapes (and,
-  where slots already exist, their dtypes); otherwise loading raises a
-  `ValueError` naming the variables, and no gradient is restored. With
-  `load_weights(..., skip_mismatch=True)` Keras turns that error into a
-  warning and loads the weights without the gradients.
+  optimizer received, in the group `<model group>/_kept_gradients/vars`: one
+  dataset per trainable variable, named `"<i>:<path>"`, where `i` is the
+  variable's position in `model.trainable_variables` and `path` its
+  `variable.path` with "/" escaped (`urllib.parse.quote(path, safe="")`),
+  e.g. `"0:dense%2Fkernel"`. A plain model never visits that group, so it
+  loads such a file too, ignoring the gradients.
+- Loading restores the saved gradients exactly, matched by position, as
+  Keras matches the optimizer's slot variables: a variable's path can
+  change with how the model was built (a subclassed model built by `fit`
+  names its kernel "net/dense/kernel", the same model built by
+  `load_model` "dense/kernel"), its position does not. The saved path is
+  there for people reading the file. There must be one saved gradient per
+  trainable variable, with its shape (and, where slots already exist, their
+  dtype); otherwise loading raises a `ValueError` naming the variables, and
+  no gradient is restored. With `load_weights(..., skip_mismatch=True)`
+  Keras turns that error into a warning and loads the weights without the
+  gradients.
 - After loading, and before any training, the restored gradients live in
   dense slots made from the saved arrays, so `model.gradients` reads them.
   The next `fit` (anything that builds the training function) replaces them
@@ -60,21 +66,33 @@ __all__ = [
 ATTRIBUTE = "_kept_gradients"
 
 
-def gradient_key(path):
-    """The dataset name of a variable's gradient: its path, "/" escaped.
+def gradient_key(index, path):
+    """The dataset name of a variable's saved gradient.
 
     Args:
-        path: String. A `variable.path`, e.g. `"dense/kernel"`.
+        index: Int. The variable's position in `model.trainable_variables`.
+        path: String. Its `variable.path`, e.g. `"dense/kernel"`.
 
     Returns:
-        The key, e.g. `"dense%2Fkernel"`; `urllib.parse.unquote` inverts it.
+        `"<index>:<path>"` with "/" escaped in the path.
 
     Example:
 
-    >>> gradient_key("dense/kernel")
-    'dense%2Fkernel'
+    >>> gradient_key(0, "dense/kernel")
+    '0:dense%2Fkernel'
     """
-    return urllib.parse.quote(path, safe="")
+    return f"{index}:{urllib.parse.quote(path, safe='')}"
+
+
+def _parse_key(key):
+    index, sep, path = key.partition(":")
+    if not (sep and index.isdigit()):
+        raise ValueError(
+            f"Unexpected dataset {key!r} among the saved gradients: expected "
+            "names like '0:dense%2Fkernel'. The file was not written by "
+            "keras_keepgrad, or was edited."
+        )
+    return int(index), urllib.parse.unquote(path)
 
 
 class KeptGradientsState(KerasSaveable):
@@ -126,8 +144,8 @@ class KeptGradientsState(KerasSaveable):
                 stacklevel=2,
             )
             return
-        for path, grad in grads.items():
-            store[gradient_key(path)] = grad
+        for index, (path, grad) in enumerate(grads.items()):
+            store[gradient_key(index, path)] = grad
 
     def load_own_variables(self, store):
         """Restores the gradients saved in `store`, if there are any.
@@ -137,20 +155,24 @@ class KeptGradientsState(KerasSaveable):
 
         Raises:
             ValueError: The saved gradients do not match the model's
-                trainable variables (paths, shapes or dtypes). Nothing is
-                restored then.
+                trainable variables (count, shapes or dtypes). Nothing
+                is restored then.
         """
         keys = list(store.keys())
         model = self._model_ref()
         if not keys or model is None or not model.keep_gradients:
             return
-        saved = {urllib.parse.unquote(key): store[key] for key in keys}
+        saved = {}
+        for key in keys:
+            index, path = _parse_key(key)
+            saved[index] = (path, store[key])
         variables = list(model.trainable_variables)
         _check_saved_gradients(model, variables, saved)
         keeper = model._keeper
         if keeper is None:
             keeper = model._keeper = _keeper.GradientKeeper(sparse=not model.jit_compile)
-        keeper.restore(variables, saved, model.distribute_strategy)
+        arrays = {v.path: saved[i][1] for i, v in enumerate(variables)}
+        keeper.restore(variables, arrays, model.distribute_strategy)
 
 
 _STATES = weakref.WeakKeyDictionary()
@@ -175,38 +197,39 @@ def kept_gradients_state(model):
 
 
 def _check_saved_gradients(model, variables, saved):
-    """Raises unless `saved` ({path: array}) fits `variables` one to one."""
+    """Raises unless `saved` ({index: (path, array)}) fits `variables`."""
     fix = (
         "To load the weights without the gradients, pass "
         "`skip_mismatch=True` to `load_weights()`; or save the file from a "
         "model with `save_gradients=False`."
     )
-    expected = {v.path: v for v in variables}
-    missing = sorted(set(expected) - set(saved))
-    unknown = sorted(set(saved) - set(expected))
-    if missing or unknown:
+    if sorted(saved) != list(range(len(variables))):
+        saved_paths = [saved[i][0] for i in sorted(saved)]
         raise ValueError(
-            "The gradients saved in the file do not match the trainable "
-            f"variables of model {model.name!r}. Gradients are matched by "
-            "`variable.path`, which holds the layer names. No saved gradient "
-            f"for the trainable variables: {missing}. Saved gradients for "
-            f"variables the model does not train: {unknown}. {fix}"
+            f"The file holds gradients for {len(saved)} variables "
+            f"({saved_paths}), but model {model.name!r} has "
+            f"{len(variables)} trainable variables "
+            f"({[v.path for v in variables]}). Saved gradients are matched to "
+            "`model.trainable_variables` by position, so the model must "
+            f"train the same variables as the one that saved them. {fix}"
         )
     keeper = model._keeper
     slots = keeper.slot_dtypes() if keeper is not None and keeper.built else {}
-    for path, variable in expected.items():
-        array = saved[path]
+    for index, variable in enumerate(variables):
+        saved_path, array = saved[index]
+        where = (
+            f"The gradient saved for variable {index} ({saved_path!r}, "
+            f"loaded into {variable.path!r} of model {model.name!r})"
+        )
         if tuple(array.shape) != tuple(variable.shape):
             raise ValueError(
-                f"The gradient saved for variable {path!r} has shape "
-                f"{tuple(array.shape)}, but the variable has shape "
-                f"{tuple(variable.shape)} in model {model.name!r}. {fix}"
+                f"{where} has shape {tuple(array.shape)}, but the variable "
+                f"has shape {tuple(variable.shape)}. {fix}"
             )
-        dtype = slots.get(path)
+        dtype = slots.get(variable.path)
         if dtype is not None and tf.as_dtype(array.dtype) != dtype:
             raise ValueError(
-                f"The gradient saved for variable {path!r} has dtype "
-                f"{tf.as_dtype(array.dtype).name}, but model {model.name!r} "
-                f"keeps it as {dtype.name} (e.g. a different dtype policy or "
-                f"loss-scale optimizer). {fix}"
+                f"{where} has dtype {tf.as_dtype(array.dtype).name}, but the "
+                f"model keeps it as {dtype.name} (a different dtype policy or "
+                f"loss-scale optimizer?). {fix}"
             )
