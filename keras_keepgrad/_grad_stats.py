@@ -1,0 +1,222 @@
+"""What the gradient callbacks share: layer groups, norms, steps, checks.
+
+Callbacks read the kept gradients between steps through
+`model.get_gradients_by_path()`; everything here works on that flat
+`{variable path: dense tensor}` view and returns NumPy values.
+"""
+
+import numbers
+import os
+import tempfile
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+__all__ = [
+    "GradientNorms",
+    "StepCounter",
+    "check_frequency",
+    "check_writable_dir",
+    "crossed",
+    "layer_of",
+    "loss_scale_of",
+    "require_kept_gradients",
+]
+
+
+def layer_of(path):
+    """The layer a variable belongs to: its path minus the last component.
+
+    `"dense_0/kernel"` -> `"dense_0"`, `"encoder/dense/bias"` ->
+    `"encoder/dense"`. A path without `/` is its own group.
+    """
+    head, sep, _ = path.rpartition("/")
+    return head if sep else path
+
+
+def _sum_squares(grads):
+    return tf.stack([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in grads])
+
+
+class StepNorms:
+    """One step's L2 norms: per layer (forward order) and global.
+
+    Attributes:
+        layer_norms: float64 array, one norm per layer of
+            `GradientNorms.layers`; NaN or inf where a gradient is not finite.
+        global_norm: Float. The L2 norm over all kept gradients.
+        layer_nonfinite: bool array, True where a layer's gradients hold a
+            NaN or an infinity.
+    """
+
+    def __init__(self, layer_norms, global_norm, layer_nonfinite):
+        self.layer_norms = layer_norms
+        self.global_norm = global_norm
+        self.layer_nonfinite = layer_nonfinite
+
+    @property
+    def nonfinite(self):
+        """Bool. Whether any gradient of the step holds a NaN or an infinity."""
+        return bool(self.layer_nonfinite.any())
+
+
+class GradientNorms:
+    """Computes per-layer and global gradient norms for fixed variables.
+
+    Layers are the variable paths minus their last component (`layer_of`),
+    in the order they first appear in `paths` (the order of
+    `model.trainable_variables`, i.e. forward order).
+
+    Args:
+        paths: The variable paths, in `model.trainable_variables` order.
+    """
+
+    def __init__(self, paths):
+        self.paths = tuple(paths)
+        layers = {}
+        for path in self.paths:
+            layers.setdefault(layer_of(path), len(layers))
+        self.layers = tuple(layers)
+        self._layer_index = np.array(
+            [layers[layer_of(p)] for p in self.paths], dtype=np.int64
+        )
+        # One dispatch for all variables: eager per-variable ops would cost
+        # more than the reductions themselves on small models.
+        self._sum_squares = tf.function(_sum_squares, autograph=False)
+
+    def __call__(self, grads_by_path):
+        """Returns the `StepNorms` of `{path: dense gradient}`."""
+        tensors = [grads_by_path[p] for p in self.paths]
+        if tensors:
+            squares = self._sum_squares(tensors).numpy().astype(np.float64)
+        else:
+            squares = np.zeros((0,), np.float64)
+        var_nonfinite = np.zeros(len(tensors), bool)
+        for i in np.flatnonzero(~np.isfinite(squares)):
+            # A float32 sum of squares overflows above ~1.8e19 even when every
+            # element is finite: check the elements, recount in float64.
+            values = np.asarray(tensors[i].numpy(), dtype=np.float64)
+            if np.isfinite(values).all():
+                squares[i] = np.sum(np.square(values))
+            else:
+                var_nonfinite[i] = True
+                squares[i] = np.nan if np.isnan(values).any() else np.inf
+        n_layers = len(self.layers)
+        layer_squares = np.zeros(n_layers, np.float64)
+        np.add.at(layer_squares, self._layer_index, squares)
+        layer_nonfinite = np.zeros(n_layers, bool)
+        np.logical_or.at(layer_nonfinite, self._layer_index, var_nonfinite)
+        return StepNorms(
+            np.sqrt(layer_squares),
+            float(np.sqrt(np.sum(squares))),
+            layer_nonfinite,
+        )
+
+
+class StepCounter:
+    """Counts the training batches run since `on_train_begin`.
+
+    Keras calls `on_train_batch_end(batch)` once per execution with the
+    index of its last batch in the epoch; with `steps_per_execution=N` the
+    count thus advances by N. The last, possibly partial, execution of an
+    epoch is clamped to the epoch's number of batches when Keras knows it.
+    """
+
+    def __init__(self):
+        self.step = 0
+        self._epoch_start = 0
+
+    def begin_train(self):
+        self.step = 0
+        self._epoch_start = 0
+
+    def begin_epoch(self):
+        self._epoch_start = self.step
+
+    def end_batch(self, batch, params):
+        """Advances to `batch` (0-based, in the epoch); returns the old step."""
+        in_epoch = batch + 1
+        steps = (params or {}).get("steps")
+        if steps:
+            in_epoch = min(in_epoch, steps)
+        previous, self.step = self.step, self._epoch_start + in_epoch
+        return previous
+
+
+def crossed(previous, step, freq):
+    """Whether the step count passed a multiple of `freq` since `previous`."""
+    return step // freq > previous // freq
+
+
+def check_frequency(name, value, allow_epoch=True, allow_batch=True):
+    """Validates an `update_freq`-like argument; returns 'epoch' or an int."""
+    if allow_batch and value == "batch":
+        return 1
+    if allow_epoch and value == "epoch":
+        return "epoch"
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    words = []
+    if allow_epoch:
+        words.append("'epoch'")
+    if allow_batch:
+        words.append("'batch'")
+    words.append("a positive int")
+    expected = ", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else words[0]
+    raise ValueError(f"`{name}` must be {expected}. Received: {name}={value!r}")
+
+
+def check_writable_dir(directory, name, value):
+    """Creates `directory` and checks that a file can be written there.
+
+    Raises:
+        ValueError: The directory cannot be created or written to.
+    """
+    if "://" in directory:
+        # Remote file systems (gs://, s3://): TensorFlow's own writer reports.
+        return
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise ValueError(
+            f"`{name}` must be a path this process can write to. Received: "
+            f"{name}={value!r}, but {directory!r} cannot be written ({reason}). "
+            "Pass a writable directory."
+        ) from error
+
+
+def require_kept_gradients(model, who):
+    """Raises unless `model` keeps gradients (before training starts)."""
+    if not hasattr(model, "get_gradients_by_path"):
+        raise TypeError(
+            f"{who} needs a model that keeps gradients. Received: a model of "
+            f"type {type(model).__name__}. Build it with "
+            "`keras_keepgrad.KeepGradModel(...)` or wrap it with "
+            "`keras_keepgrad.keep_gradients(model)`."
+        )
+    if not model.keep_gradients:
+        raise ValueError(
+            f"{who} reads the kept gradients, but model {model.name!r} was "
+            "built with `keep_gradients=False`. Set "
+            "`model.keep_gradients = True` before `fit`."
+        )
+
+
+def loss_scale_of(optimizer):
+    """The optimizer's loss scale, as a float.
+
+    The dynamic scale of a `LossScaleOptimizer`, read now (after the step,
+    which may have halved or doubled it), else the optimizer's static
+    `loss_scale_factor`, else 1.0.
+    """
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if optimizer.built:
+            return float(optimizer.dynamic_scale.numpy())
+        return float(optimizer.initial_scale)
+    factor = getattr(optimizer, "loss_scale_factor", None)
+    return 1.0 if factor is None else float(factor)
+

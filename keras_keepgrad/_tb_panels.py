@@ -1,0 +1,175 @@
+"""TensorBoard pieces of `GradientTensorBoard`: tags, panels, heatmap.
+
+Every tag starts with `gradients/`, so TensorBoard's dashboards show them
+in one section; the second component keeps the kinds apart (a layer named
+`global_norm` cannot collide with the global norm).
+"""
+
+import re
+
+import numpy as np
+import tensorflow as tf
+
+LAYER_NORM_PREFIX = "gradients/layer_norm/"
+GLOBAL_NORM_TAG = "gradients/global_norm"
+NONFINITE_TAG = "gradients/nonfinite"
+SKIPPED_STEPS_TAG = "gradients/skipped_steps"
+LOSS_SCALE_TAG = "gradients/loss_scale"
+HISTOGRAM_PREFIX = "gradients/histogram/"
+HEATMAP_TAG = "gradients/heatmap"
+LAYOUT_TITLE = "Gradient panels"
+
+HEATMAP_DESCRIPTION = (
+    "log10 of the L2 gradient norm per layer (rows, forward order from the "
+    "top) and recorded training step (columns, left to right; merged in "
+    "pairs past 1024 columns). Viridis colors from dark purple (smallest "
+    "norm in the image) to yellow (largest); black: zero; red: NaN or inf."
+)
+
+
+def layer_norm_tag(layer):
+    return LAYER_NORM_PREFIX + layer
+
+
+def histogram_tag(path):
+    return HISTOGRAM_PREFIX + path
+
+
+def write_layout(loss_scaled):
+    """Writes the custom-scalars layout ("gradient panels") at step 0.
+
+    Must run under a default summary writer. Returns False (and writes
+    nothing) if the TensorBoard package is missing.
+    """
+    try:
+        from tensorboard.plugins.custom_scalar import layout_pb2
+        from tensorboard.plugins.custom_scalar import metadata
+    except ImportError:
+        return False
+
+    def chart(title, *patterns):
+        return layout_pb2.Chart(
+            title=title,
+            multiline=layout_pb2.MultilineChartContent(tag=list(patterns)),
+        )
+
+    charts = [
+        chart("Per-layer gradient norms", "^" + re.escape(LAYER_NORM_PREFIX)),
+        chart("Global gradient norm", "^" + re.escape(GLOBAL_NORM_TAG) + "$"),
+        chart(
+            "Non-finite and skipped steps",
+            "^" + re.escape(NONFINITE_TAG) + "$",
+            "^" + re.escape(SKIPPED_STEPS_TAG) + "$",
+        ),
+    ]
+    if loss_scaled:
+        charts.append(chart("Loss scale", "^" + re.escape(LOSS_SCALE_TAG) + "$"))
+    layout = layout_pb2.Layout(
+        category=[layout_pb2.Category(title=LAYOUT_TITLE, chart=charts)]
+    )
+    tf.summary.write(
+        tag=metadata.CONFIG_SUMMARY_TAG,
+        tensor=tf.constant(layout.SerializeToString()),
+        step=0,
+        metadata=metadata.create_summary_metadata().SerializeToString(),
+    )
+    return True
+
+
+def finite_values(grad):
+    """The finite entries of `grad`, flat (histograms of NaN are all NaN)."""
+    values = tf.reshape(grad, [-1])
+    finite = tf.math.is_finite(values)
+    if bool(tf.reduce_all(finite)):
+        return values
+    return tf.boolean_mask(values, finite)
+
+
+# Viridis, sampled at 11 evenly spaced points (matplotlib's `_viridis_data`).
+_VIRIDIS = np.array(
+    [
+        [68, 1, 84],
+        [72, 35, 116],
+        [64, 67, 135],
+        [52, 94, 141],
+        [41, 120, 142],
+        [32, 144, 140],
+        [34, 167, 132],
+        [68, 190, 112],
+        [121, 209, 81],
+        [189, 222, 38],
+        [253, 231, 37],
+    ],
+    dtype=np.float64,
+)
+_ZERO_COLOR = (0, 0, 0)
+_NONFINITE_COLOR = (255, 0, 0)
+
+
+def colorize(norms):
+    """Maps a `[layers, steps]` array of norms to `[layers, steps, 3]` uint8.
+
+    The log10 norms are spread over viridis between their finite minimum
+    and maximum; zeros are black and NaN or inf are red.
+    """
+    norms = np.asarray(norms, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logs = np.log10(norms)
+    finite = np.isfinite(logs)
+    if finite.any():
+        low, high = logs[finite].min(), logs[finite].max()
+    else:
+        low = high = 0.0
+    position = np.zeros_like(logs)
+    if high > low:
+        position[finite] = (logs[finite] - low) / (high - low)
+    else:
+        position[finite] = 0.5
+    scaled = position * (len(_VIRIDIS) - 1)
+    below = np.clip(np.floor(scaled).astype(np.int64), 0, len(_VIRIDIS) - 2)
+    frac = (scaled - below)[..., None]
+    rgb = _VIRIDIS[below] * (1.0 - frac) + _VIRIDIS[below + 1] * frac
+    rgb = np.round(rgb).astype(np.uint8)
+    rgb[norms == 0] = _ZERO_COLOR
+    rgb[~np.isfinite(norms)] = _NONFINITE_COLOR
+    return rgb
+
+
+class Heatmap:
+    """The per-layer norms of the recorded steps, as one growing image.
+
+    Past `max_columns` recorded steps, neighbouring columns are merged in
+    pairs (geometric mean of the norms; a non-finite norm stays
+    non-finite), so the image always covers the whole run.
+
+    Args:
+        max_columns: Int. The most columns kept.
+    """
+
+    def __init__(self, max_columns=1024):
+        self.max_columns = max_columns
+        self.columns = []
+        self.steps = []
+
+    def add(self, step, layer_norms):
+        self.columns.append(np.asarray(layer_norms, dtype=np.float64))
+        self.steps.append(step)
+        if len(self.columns) > self.max_columns:
+            merged, steps = [], []
+            for i in range(0, len(self.columns) - 1, 2):
+                with np.errstate(invalid="ignore", over="ignore"):
+                    merged.append(np.sqrt(self.columns[i] * self.columns[i + 1]))
+                steps.append(self.steps[i + 1])
+            if len(self.columns) % 2:
+                merged.append(self.columns[-1])
+                steps.append(self.steps[-1])
+            self.columns, self.steps = merged, steps
+
+    def image(self):
+        """The heatmap as a `[1, height, width, 3]` uint8 array."""
+        rgb = colorize(np.stack(self.columns, axis=1))
+        n_layers, n_steps = rgb.shape[:2]
+        row = int(np.clip(256 // max(n_layers, 1), 1, 16))
+        col = int(np.clip(512 // max(n_steps, 1), 1, 16))
+        rgb = np.repeat(np.repeat(rgb, row, axis=0), col, axis=1)
+        return rgb[None]

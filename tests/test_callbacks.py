@@ -1,0 +1,612 @@
+"""Tests for keras_keepgrad.callbacks.
+
+The hand model: one bias-free Dense(1) with a Constant(3.0) kernel, mse,
+SGD(0.1), x = [[1], [2]], y = 0. loss = mean((w*x)^2), so
+dL/dw = w * (1 + 4) = 5w: 15 at w = 3, then w' = 3 - 0.1*15 = 1.5 -> 7.5,
+then 0.75 -> 3.75.
+"""
+
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorboard.backend.event_processing import event_accumulator
+
+import keras_keepgrad as kg
+from keras_keepgrad import _tb_panels
+from keras_keepgrad import callbacks
+
+
+class Recorder(keras.callbacks.Callback):
+    """Copies the kept gradients at every `on_train_batch_end`."""
+
+    def __init__(self):
+        super().__init__()
+        self.grads = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.grads.append(
+            {p: t.numpy() for p, t in self.model.get_gradients_by_path().items()}
+        )
+
+
+def hand_model(lr=0.1, optimizer=None):
+    inputs = keras.Input((1,))
+    outputs = keras.layers.Dense(
+        1,
+        use_bias=False,
+        kernel_initializer=keras.initializers.Constant(3.0),
+        name="dense_0",
+    )(inputs)
+    model = kg.KeepGradModel(inputs, outputs)
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(lr), loss="mse")
+    return model
+
+
+def hand_data(batches):
+    x = np.tile(np.array([[1.0], [2.0]]), (batches, 1))
+    return x, np.zeros_like(x)
+
+
+def two_layer_model(names=("dense_0", "dense_1"), **kwargs):
+    inputs = keras.Input((2,))
+    hidden = keras.layers.Dense(
+        3, kernel_initializer="ones", bias_initializer="ones", name=names[0]
+    )(inputs)
+    outputs = keras.layers.Dense(
+        1,
+        kernel_initializer=keras.initializers.Constant(0.5),
+        name=names[1],
+    )(hidden)
+    model = kg.KeepGradModel(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", **kwargs)
+    return model
+
+
+def layer_norms(grads):
+    """Reference per-layer norms: path minus last component, in order."""
+    sums = {}
+    for path, grad in grads.items():
+        layer = path.rpartition("/")[0]
+        sums[layer] = sums.get(layer, 0.0) + float(np.sum(np.square(grad.astype(np.float64))))
+    return {layer: np.sqrt(total) for layer, total in sums.items()}
+
+
+def read_run(directory):
+    acc = event_accumulator.EventAccumulator(
+        directory, size_guidance={event_accumulator.TENSORS: 0}
+    )
+    acc.Reload()
+    return acc
+
+
+def scalars(acc, tag):
+    return [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
+
+
+# GradientTensorBoard -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hand_run(tmp_path_factory):
+    """One `fit` of the hand model: 3 batches, every batch recorded."""
+    log_dir = str(tmp_path_factory.mktemp("hand") / "logs")
+    model = hand_model()
+    recorder = Recorder()
+    x, y = hand_data(3)
+    model.fit(
+        x,
+        y,
+        batch_size=2,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            callbacks.GradientTensorBoard(log_dir, update_freq="batch", histogram_freq=1),
+            recorder,
+        ],
+    )
+    return log_dir, recorder
+
+
+def test_tensorboard_norms_are_the_kept_gradients_norms(hand_run):
+    log_dir, recorder = hand_run
+    acc = read_run(os.path.join(log_dir, "train"))
+    kept = [float(g["dense_0/kernel"][0, 0]) for g in recorder.grads]
+    assert kept == [15.0, 7.5, 3.75]
+    expected = [(1, 15.0), (2, 7.5), (3, 3.75)]
+    assert scalars(acc, "gradients/layer_norm/dense_0") == expected
+    assert scalars(acc, "gradients/global_norm") == expected
+    assert scalars(acc, "gradients/nonfinite") == [(1, 0.0), (2, 0.0), (3, 0.0)]
+    # Keras's own batch metrics are still written, at the same steps.
+    assert [e.step for e in acc.Tensors("batch_loss")] == [1, 2, 3]
+    # No loss-scale panels without a LossScaleOptimizer.
+    assert "gradients/loss_scale" not in acc.Tags()["tensors"]
+
+
+def test_tensorboard_histograms_hold_the_epoch_last_gradients(hand_run):
+    log_dir, _ = hand_run
+    acc = read_run(os.path.join(log_dir, "train"))
+    assert "dense_0/kernel/histogram" in acc.Tags()["tensors"]  # Keras's weights
+    (event,) = acc.Tensors("gradients/histogram/dense_0/kernel")
+    assert event.step == 0
+    buckets = tf.make_ndarray(event.tensor_proto)  # [left, right, count]
+    assert buckets[:, 2].sum() == 1.0
+    assert buckets[:, 0].min() == 3.75 and buckets[:, 1].max() == 3.75
+
+
+def test_tensorboard_layout_groups_the_gradient_panels(hand_run):
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    log_dir, _ = hand_run
+    acc = read_run(os.path.join(log_dir, "train"))
+    (event,) = acc.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(tf.make_ndarray(event.tensor_proto).item())
+    (category,) = layout.category
+    assert category.title == "Gradient panels"
+    charts = {c.title: list(c.multiline.tag) for c in category.chart}
+    assert charts == {
+        "Per-layer gradient norms": ["^gradients/layer_norm/"],
+        "Global gradient norm": ["^gradients/global_norm$"],
+        "Non-finite and skipped steps": [
+            "^gradients/nonfinite$",
+            "^gradients/skipped_steps$",
+        ],
+    }
+
+
+def test_tensorboard_heatmap_colors_log_norms(hand_run):
+    log_dir, _ = hand_run
+    acc = read_run(os.path.join(log_dir, "train"))
+    (event,) = acc.Tensors("gradients/heatmap")
+    width, height, png = tf.make_ndarray(event.tensor_proto)
+    image = tf.io.decode_png(png).numpy()
+    # 1 layer x 3 steps, cells of 16 x 16 pixels.
+    assert (int(width), int(height)) == (48, 16) and image.shape == (16, 48, 3)
+    # log10 of 15, 7.5, 3.75 are evenly spaced: viridis top, middle, bottom.
+    assert image[8, 8].tolist() == [253, 231, 37]
+    assert image[8, 24].tolist() == [32, 144, 140]
+    assert image[8, 40].tolist() == [68, 1, 84]
+
+
+def test_heatmap_marks_zero_and_nonfinite_and_merges_columns():
+    rgb = _tb_panels.colorize(np.array([[1.0, 100.0, 0.0, np.nan, np.inf]]))
+    assert rgb[0].tolist() == [
+        [68, 1, 84],
+        [253, 231, 37],
+        [0, 0, 0],
+        [255, 0, 0],
+        [255, 0, 0],
+    ]
+    heatmap = _tb_panels.Heatmap(max_columns=4)
+    for step, norm in enumerate([1.0, 100.0, 4.0, 9.0, np.nan], start=1):
+        heatmap.add(step, [norm])
+    # Past 4 columns, pairs merge by geometric mean; NaN stays NaN.
+    assert heatmap.steps == [2, 4, 5]
+    merged = np.array(heatmap.columns)[:, 0]
+    np.testing.assert_array_equal(merged[:2], [10.0, 6.0])
+    assert np.isnan(merged[2])
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_tensorboard_server_serves_the_gradient_panels(hand_run, tmp_path):
+    log_dir, _ = hand_run
+    port = _free_port()
+    log_file = open(tmp_path / "tensorboard.log", "wb")
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tensorboard.main",
+            "--logdir",
+            log_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--load_fast",
+            "false",
+        ],
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+    )
+    # Never through a proxy: only this machine's server.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def get(route):
+        with opener.open(f"http://127.0.0.1:{port}{route}", timeout=5) as response:
+            return json.load(response)
+
+    try:
+        deadline = time.monotonic() + 60
+        scalar_tags = {}
+        while "gradients/global_norm" not in scalar_tags.get("train", {}):
+            assert server.poll() is None, (tmp_path / "tensorboard.log").read_text()
+            assert time.monotonic() < deadline, "TensorBoard did not serve the logs"
+            time.sleep(0.5)
+            try:
+                scalar_tags = get("/data/plugin/scalars/tags")
+            except OSError:
+                pass
+        assert {
+            "gradients/layer_norm/dense_0",
+            "gradients/global_norm",
+            "gradients/nonfinite",
+        } <= set(scalar_tags["train"])
+        histogram_tags = get("/data/plugin/histograms/tags")
+        assert "gradients/histogram/dense_0/kernel" in histogram_tags["train"]
+        layout = get("/data/plugin/custom_scalars/layout")
+        (category,) = layout["category"]
+        assert category["title"] == "Gradient panels"
+        per_layer = category["chart"][0]["multiline"]["tag"][0]
+        # The panel's pattern picks exactly the per-layer norms.
+        matched = get(
+            "/data/plugin/custom_scalars/scalars?run=train&tag="
+            + urllib.request.quote(per_layer)
+        )
+        assert list(matched["tag_to_events"]) == ["gradients/layer_norm/dense_0"]
+        values = [e[2] for e in matched["tag_to_events"]["gradients/layer_norm/dense_0"]]
+        assert values == [15.0, 7.5, 3.75]
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log_file.close()
+
+
+def test_tensorboard_steps_per_execution_validation_and_epoch_freq(tmp_path):
+    # 10 samples, batch 2: 5 batches per epoch; 2 per execution, so Keras
+    # calls back after batches 2, 4, 5 (partial execution), 7, 9, 10.
+    model = two_layer_model(steps_per_execution=2)
+    x = np.arange(20, dtype="float32").reshape(10, 2) / 10.0
+    y = np.ones((10, 1), "float32")
+    recorder = Recorder()
+    every_2 = callbacks.GradientTensorBoard(tmp_path / "every_2", update_freq=2)
+    per_epoch = callbacks.GradientTensorBoard(tmp_path / "per_epoch")
+    model.fit(
+        x,
+        y,
+        batch_size=2,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        validation_data=(x[:4], y[:4]),
+        callbacks=[every_2, per_epoch, recorder],
+    )
+    assert len(recorder.grads) == 6
+    reference = dict(zip([2, 4, 5, 7, 9, 10], map(layer_norms, recorder.grads)))
+    globals_ = {
+        s: float(np.sqrt(sum(n**2 for n in norms.values())))
+        for s, norms in reference.items()
+    }
+    for name, steps in [("every_2", [2, 4, 7, 9, 10]), ("per_epoch", [5, 10])]:
+        acc = read_run(str(tmp_path / name / "train"))
+        for layer in ("dense_0", "dense_1"):
+            written = scalars(acc, f"gradients/layer_norm/{layer}")
+            assert [s for s, _ in written] == steps
+            np.testing.assert_allclose(
+                [v for _, v in written], [reference[s][layer] for s in steps], rtol=1e-6
+            )
+        written = scalars(acc, "gradients/global_norm")
+        np.testing.assert_allclose(
+            [v for _, v in written], [globals_[s] for s in steps], rtol=1e-6
+        )
+        # Keras's validation run is still there.
+        val = read_run(str(tmp_path / name / "validation"))
+        assert [e.step for e in val.Tensors("epoch_loss")] == [0, 1]
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_mixed_precision_skipped_step_panels_and_snapshot(tmp_path, mixed_float16):
+    # Batch 2 holds a NaN: the LossScaleOptimizer skips it and halves its
+    # scale (8 -> 4); batch 3 sees w = 1.5 still, so 7.5.
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=8.0
+    )
+    model = hand_model(optimizer=optimizer)
+    x, y = hand_data(3)
+    x[3, 0] = np.nan
+    snapshot = callbacks.GradientSnapshot(tmp_path / "snap" / "{step}.npz", every=1)
+    model.fit(
+        x,
+        y,
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            callbacks.GradientTensorBoard(tmp_path / "logs", update_freq=1),
+            snapshot,
+        ],
+    )
+    acc = read_run(str(tmp_path / "logs" / "train"))
+    norms = scalars(acc, "gradients/global_norm")
+    assert norms[0] == (1, 15.0) and norms[2] == (3, 7.5) and np.isnan(norms[1][1])
+    assert scalars(acc, "gradients/nonfinite") == [(1, 0.0), (2, 1.0), (3, 0.0)]
+    assert scalars(acc, "gradients/skipped_steps") == [(1, 0.0), (2, 1.0), (3, 1.0)]
+    assert scalars(acc, "gradients/loss_scale") == [(1, 8.0), (2, 4.0), (3, 4.0)]
+    loaded = [np.load(f) for f in snapshot.files]
+    assert [float(d["loss_scale"]) for d in loaded] == [8.0, 4.0, 4.0]
+    assert loaded[0]["dense_0/kernel"].dtype == np.float32  # as the optimizer gets it
+    assert float(loaded[2]["dense_0/kernel"][0, 0]) == 7.5
+
+
+# GradientMonitor -----------------------------------------------------------
+
+
+def sqrt_model():
+    """a -> sqrt -> b: at x = 0, only layer `a` gets a NaN gradient.
+
+    d sqrt(z)/dz = 1 / (2 sqrt(0)) = inf, times x = 0 -> NaN for a's
+    kernel; b's kernel gets sqrt(0) * dL/dout = 0.
+    """
+    inputs = keras.Input((1,))
+    hidden = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", name="a")(inputs)
+    hidden = keras.layers.Lambda(keras.ops.sqrt, name="root")(hidden)
+    outputs = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", name="b")(hidden)
+    model = kg.KeepGradModel(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+def test_monitor_stops_a_nan_run_and_names_the_layer():
+    model = sqrt_model()
+    x = np.array([[1.0], [4.0], [0.0], [0.0], [1.0], [1.0]])
+    monitor = callbacks.GradientMonitor(action="stop")
+    with pytest.warns(UserWarning, match=r"Step 2: non-finite .* 1 of 2 layers.*'a'\. Stopping"):
+        history = model.fit(
+            x, np.ones_like(x), batch_size=2, shuffle=False, verbose=0, callbacks=[monitor]
+        )
+    assert int(model.optimizer.iterations.numpy()) == 2  # batch 3 never ran
+    assert len(history.history["loss"]) == 1
+    (event,) = monitor.events
+    assert (event["kind"], event["step"], event["layers"]) == ("nonfinite", 2, ["a"])
+
+
+def test_monitor_lists_nonfinite_layers_in_forward_order():
+    model = two_layer_model(names=("z_first", "a_second"))
+    x = np.array([[np.nan, 1.0]])
+    monitor = callbacks.GradientMonitor(action="warn")
+    with pytest.warns(UserWarning, match=r"'z_first', 'a_second'"):
+        model.fit(x, np.ones((1, 1)), verbose=0, callbacks=[monitor])
+    assert monitor.events[0]["layers"] == ["z_first", "a_second"]
+
+
+def test_monitor_waits_for_the_loss_scale_then_raises():
+    # Every batch is NaN. Scale 4 -> 2 -> 1 -> 0.5: only the third skipped
+    # step leaves the scale below min_loss_scale=1.
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=4.0
+    )
+    model = hand_model(optimizer=optimizer)
+    x, y = hand_data(5)
+    y[:] = np.nan
+    monitor = callbacks.GradientMonitor(action="raise")
+    with pytest.raises(RuntimeError, match=r"Step 3: .*'dense_0'.*fell to 0\.5"):
+        model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[monitor])
+    assert float(optimizer.dynamic_scale.numpy()) == 0.5
+    assert int(optimizer.iterations.numpy()) == 0
+
+
+def test_monitor_reports_vanishing_layer_after_n_steps():
+    # b's kernel is 0, so a's gradient (through b) is 0; lr 0 keeps it so.
+    inputs = keras.Input((1,))
+    hidden = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", name="a")(inputs)
+    outputs = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros", name="b")(hidden)
+    model = kg.KeepGradModel(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x = np.ones((4, 1))
+    monitor = callbacks.GradientMonitor(vanishing_threshold=1e-6, vanishing_steps=3)
+    with pytest.warns(UserWarning, match=r"Step 3: vanishing gradients: .*'a' \(0\).*3 checks"):
+        model.fit(x, np.ones_like(x), batch_size=1, shuffle=False, verbose=0, callbacks=[monitor])
+    assert [(e["kind"], e["step"], e["layers"]) for e in monitor.events] == [
+        ("vanishing", 3, ["a"])
+    ]
+
+
+def test_monitor_reports_explosions_by_threshold_and_by_median():
+    # lr 0 keeps w = 3; batch k is c * [[1], [2]] so the gradient is 15 c^2:
+    # 15 for 11 batches, then 1500 (c = 10).
+    model = hand_model(lr=0.0)
+    x, y = hand_data(12)
+    x[22:] *= 10.0
+    by_threshold = callbacks.GradientMonitor(exploding_threshold=100.0)
+    by_median = callbacks.GradientMonitor(exploding_factor=10.0, median_window=50)
+    with pytest.warns(UserWarning) as caught:
+        model.fit(
+            x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[by_threshold, by_median]
+        )
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2
+    assert "Step 12: exploding gradients: global norm 1500 is above exploding_threshold=100" in messages[0]
+    assert "exploding_factor=10 times the median of the last 11 (15)" in messages[1]
+    assert "'dense_0' (1500)" in messages[1]
+    for monitor in (by_threshold, by_median):
+        assert [(e["kind"], e["step"]) for e in monitor.events] == [("exploding", 12)]
+
+
+# GradientSnapshot ----------------------------------------------------------
+
+
+def test_snapshot_files_equal_the_kept_gradients(tmp_path):
+    model = two_layer_model()
+    x = np.arange(8, dtype="float32").reshape(4, 2)
+    recorder = Recorder()
+    every = callbacks.GradientSnapshot(tmp_path / "every" / "g-{step:03d}.npz", every=2)
+    latest = callbacks.GradientSnapshot(tmp_path / "latest.npz")
+    model.fit(
+        x,
+        np.ones((4, 1)),
+        batch_size=1,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[recorder, every, latest],
+    )
+    assert [os.path.basename(f) for f in every.files] == [
+        f"g-{s:03d}.npz" for s in (2, 4, 6, 8)
+    ]
+    for filename, step in zip(every.files, (2, 4, 6, 8)):
+        with np.load(filename) as data:
+            assert int(data["step"]) == step and int(data["epoch"]) == (step - 1) // 4 + 1
+            assert float(data["loss_scale"]) == 1.0
+            kept = recorder.grads[step - 1]
+            assert sorted(set(data.files) - {"step", "epoch", "loss_scale"}) == sorted(kept)
+            for path, grad in kept.items():
+                np.testing.assert_array_equal(data[path], grad)
+    # Without a field, each epoch replaces the file.
+    assert latest.files == [str(tmp_path / "latest.npz")] * 2
+    with np.load(latest.files[-1]) as data:
+        assert int(data["step"]) == 8
+        np.testing.assert_array_equal(data["dense_1/kernel"], recorder.grads[-1]["dense_1/kernel"])
+    assert not glob.glob(str(tmp_path / "**" / "*.tmp"), recursive=True)
+
+
+def test_snapshot_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
+    model = hand_model()
+    x, y = hand_data(2)
+    target = tmp_path / "latest.npz"
+    snapshot = callbacks.GradientSnapshot(target, every=1)
+    real_savez = np.savez
+    calls = []
+
+    def savez_then_fail(file, **arrays):
+        calls.append(arrays["step"])
+        if len(calls) == 2:  # Half a file, then the disk is full.
+            file.write(b"PK\x03\x04 partial")
+            raise OSError(28, "No space left on device")
+        real_savez(file, **arrays)
+
+    monkeypatch.setattr(np, "savez", savez_then_fail)
+    with pytest.warns(UserWarning, match="could not write .*No space left"):
+        model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[snapshot])
+    assert snapshot.files == [str(target)]
+    with np.load(target) as data:  # still the whole first snapshot
+        assert int(data["step"]) == 1 and float(data["dense_0/kernel"][0, 0]) == 15.0
+    assert os.listdir(tmp_path) == ["latest.npz"]
+
+
+# Bad input -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda: callbacks.GradientTensorBoard(update_freq=0),
+            "`update_freq` must be 'epoch', 'batch' or a positive int. Received: update_freq=0",
+        ),
+        (
+            lambda: callbacks.GradientTensorBoard(update_freq="often"),
+            "Received: update_freq='often'",
+        ),
+        (
+            lambda: callbacks.GradientTensorBoard(update_freq=True),
+            "Received: update_freq=True",
+        ),
+        (
+            lambda: callbacks.GradientTensorBoard(histogram_freq=-1),
+            "`histogram_freq` must be a non-negative int (0 disables it). Received: histogram_freq=-1",
+        ),
+        (
+            lambda: callbacks.GradientMonitor(action="panic"),
+            "`action` must be one of ['warn', 'stop', 'raise']. Received: action='panic'",
+        ),
+        (
+            lambda: callbacks.GradientMonitor(vanishing_threshold=-1e-6),
+            "`vanishing_threshold` must be a finite number above 0 or None (off). "
+            "Received: vanishing_threshold=-1e-06",
+        ),
+        (
+            lambda: callbacks.GradientMonitor(exploding_factor=0.5),
+            "`exploding_factor` must be a finite number above 1 or None (off). "
+            "Received: exploding_factor=0.5",
+        ),
+        (
+            lambda: callbacks.GradientMonitor(exploding_threshold=float("inf")),
+            "Received: exploding_threshold=inf",
+        ),
+        (
+            lambda: callbacks.GradientMonitor(vanishing_steps=0),
+            "`vanishing_steps` must be a positive int. Received: vanishing_steps=0",
+        ),
+        (
+            lambda: callbacks.GradientMonitor(check_freq="epoch"),
+            "`check_freq` must be a positive int. Received: check_freq='epoch'",
+        ),
+        (
+            lambda: callbacks.GradientSnapshot("grads.npy"),
+            "`path` must end in '.npz'",
+        ),
+        (
+            lambda: callbacks.GradientSnapshot("grads-{batch}.npz"),
+            "`path` may only hold the fields {step} and {epoch}",
+        ),
+        (
+            lambda: callbacks.GradientSnapshot("g.npz", every=-2),
+            "`every` must be 'epoch' or a positive int. Received: every=-2",
+        ),
+    ],
+)
+def test_invalid_arguments_raise_keras_style_errors(make, message):
+    with pytest.raises(ValueError) as info:
+        make()
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["tensorboard", "snapshot"])
+def test_unwritable_path_fails_before_training(tmp_path, kind):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    if kind == "tensorboard":
+        callback = callbacks.GradientTensorBoard(blocker / "logs")
+        match = r"`log_dir` must be a path this process can write to\. Received: log_dir="
+    else:
+        callback = callbacks.GradientSnapshot(blocker / "g.npz")
+        match = r"`path` must be a path this process can write to\. Received: path="
+    model = hand_model()
+    x, y = hand_data(1)
+    with pytest.raises(ValueError, match=match):
+        model.fit(x, y, batch_size=2, verbose=0, callbacks=[callback])
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert float(model.get_layer("dense_0").kernel.numpy()[0, 0]) == 3.0
+
+
+def test_callbacks_need_a_model_that_keeps_gradients(tmp_path):
+    inputs = keras.Input((1,))
+    plain = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    plain.compile(optimizer="sgd", loss="mse")
+    x, y = hand_data(1)
+    with pytest.raises(TypeError, match=r"GradientMonitor needs a model that keeps gradients.*Functional"):
+        plain.fit(x, y, verbose=0, callbacks=[callbacks.GradientMonitor()])
+    model = hand_model()
+    model.keep_gradients = False
+    with pytest.raises(ValueError, match=r"GradientSnapshot .*`keep_gradients=False`"):
+        model.fit(x, y, verbose=0, callbacks=[callbacks.GradientSnapshot(tmp_path / "g.npz")])
+
+
+def test_package_exposes_callbacks():
+    assert kg.callbacks.GradientTensorBoard is callbacks.GradientTensorBoard
+    assert issubclass(kg.callbacks.GradientTensorBoard, keras.callbacks.TensorBoard)
