@@ -1,5 +1,6 @@
 """keras_keepgrad: see every batch's gradients during `model.fit`."""
 
+from keras_keepgrad import callbacks
 from keras_keepgrad.model import KeepGradModel
 from keras_keepgrad.model import keep_gradients
 
