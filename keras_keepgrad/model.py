@@ -9,6 +9,7 @@ from keras import tree
 from keras_keepgrad import _compat
 from keras_keepgrad import _keeper
 from keras_keepgrad import _saving
+from keras_keepgrad import metrics as metrics_lib
 
 __all__ = ["KeepGradModel", "keep_gradients"]
 
@@ -165,6 +166,7 @@ class KeepGradModel(keras.Model):
             return self.train_function
         if self._keep_gradients:
             self._build_slots()
+            metrics_lib.build_gradient_metrics(self)
         return super().make_train_function(force=force)
 
     def _build_slots(self):

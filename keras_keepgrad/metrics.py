@@ -1,0 +1,635 @@
+"""Gradient metrics: Keras metrics whose values come from the kept gradients.
+
+Pass them to `compile(metrics=[...])` of a `KeepGradModel`, beside ordinary
+metrics. They are updated inside the training step, on every step (also
+each step under `steps_per_execution`), and `fit` reports them in the
+progress bar, `logs`, `History`, `CSVLogger` and TensorBoard like any other
+metric. They skip evaluation: they are absent from `evaluate()` results and
+from the `val_` logs.
+
+Each metric's `result()` is a dict of log entries: `{name: value}` (one
+scalar), or one entry per layer (`{"grad_norm/dense": ..., ...}`) for the
+per-layer metrics. Keras adds those keys to the logs as they are, so a
+gradient metric logs under its own name wherever it is listed, also in a
+per-output metrics dict (no output-name prefix: it measures the gradients
+of the total loss, not of one output). The dict is empty while there is
+nothing to report (no training step since the last reset).
+"""
+
+import types
+
+import keras
+import tensorflow as tf
+
+from keras_keepgrad import _compat
+from keras_keepgrad import _keeper
+
+__all__ = [
+    "GradientMaxAbs",
+    "GradientMetric",
+    "GradientNorm",
+    "NonFiniteGradients",
+    "UpdateRatio",
+    "VanishingGradients",
+]
+
+_REDUCTIONS = ("mean", "last", "sum", "max")
+
+
+def _float32(grad):
+    return tf.cast(_keeper.densify(grad), tf.float32)
+
+
+def _layer_of(path):
+    """`"block/dense/kernel"` -> `"block/dense"`: the layer owning a variable."""
+    layer, _, _ = path.rpartition("/")
+    return layer or path
+
+
+def _group_by_layer(flat):
+    """`{path: x}` -> `{layer: [x, ...]}`, in variable order."""
+    groups = {}
+    for path, value in flat.items():
+        groups.setdefault(_layer_of(path), []).append(value)
+    return groups
+
+
+def _sum_of_squares(tensors):
+    return tf.add_n([tf.reduce_sum(tf.square(t)) for t in tensors])
+
+
+def _norm(tensors):
+    if not tensors:
+        return tf.constant(0.0)
+    return tf.sqrt(_sum_of_squares(tensors))
+
+
+class _Holder:
+    """Keeps plain `tf.Variable`s out of Keras's tracking (and saved files)."""
+
+    def __init__(self):
+        self.variables = {}
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad")
+class GradientMetric(keras.metrics.Metric):
+    """A metric whose value is a function of each training step's gradients.
+
+    On every training step of a `KeepGradModel`, `fn` receives that step's
+    kept gradients (the structure of `model.gradients`: a nested dict like
+    `model.get_state_tree()["trainable_variables"]` of dense tensors, after
+    loss-scale unscaling, before any optimizer transformation, sparse
+    gradients densified, frozen variables absent), cast to float32, and
+    returns a scalar. The metric reduces the values of the epoch's steps as
+    `reduction` says and is logged by `fit` under `name`.
+
+    Evaluation steps leave it untouched, and it is absent from `evaluate()`
+    results and from the `val_` logs. Compiled into a model that keeps no
+    gradients (a plain `keras.Model`, or `keep_gradients=False`), it raises
+    at the first step.
+
+    `result()` returns a dict: `{name: value}`, or `{}` while no training
+    step was seen since the last reset.
+
+    Saving: `fn` is saved by reference like any Keras custom function.
+    Register it with `@keras.saving.register_keras_serializable()` (or pass
+    it in `custom_objects` when loading). A lambda follows Keras's rule for
+    lambdas: saving warns, and loading needs `safe_mode=False`.
+
+    Args:
+        fn: Callable. Takes the nested dict of float32 gradient tensors and
+            returns a scalar (a 0-d tensor or a Python number).
+        name: String. The log key. Defaults to `fn.__name__`
+            (`"gradient_metric"` for a lambda).
+        reduction: String. How the epoch's step values combine: `"mean"`
+            (averaged over the steps, as Keras averages its metrics),
+            `"last"` (the latest step: what spikes show in), `"sum"`, or
+            `"max"`. Defaults to `"mean"`.
+        **kwargs: Passed on to `keras.metrics.Metric`. Gradient metrics
+            always compute in float32.
+
+    Raises:
+        TypeError: `fn` is not callable.
+        ValueError: `reduction` is not one of the above, or a `dtype` other
+            than float32 is requested.
+
+    Example:
+
+    ```python
+    def max_kernel_grad(grads):
+        return grads["dense"]["kernel"][0, 0]
+
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                  metrics=["mae", kg.metrics.GradientNorm(),
+                           kg.metrics.GradientMetric(max_kernel_grad,
+                                                     reduction="last")])
+    history = model.fit(x, y, epochs=2)
+    history.history["max_kernel_grad"]  # one value per epoch
+    ```
+    """
+
+    def __init__(self, fn, name=None, reduction="mean", **kwargs):
+        dtype = kwargs.pop("dtype", None)
+        if dtype is not None and keras.backend.standardize_dtype(dtype) != "float32":
+            raise ValueError(
+                "Gradient metrics compute in float32. Received: "
+                f"dtype={dtype!r}. Leave `dtype` unset."
+            )
+        overridden = (
+            type(self)._step_values is not GradientMetric._step_values
+            or type(self)._measure is not GradientMetric._measure
+        )
+        if fn is None and not overridden:
+            raise TypeError(
+                "`fn` must be a callable taking the nested dict of gradients "
+                "and returning a scalar. Received: fn=None"
+            )
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                "`fn` must be a callable taking the nested dict of gradients "
+                f"and returning a scalar. Received: fn={fn!r} of type "
+                f"{type(fn).__name__}"
+            )
+        if reduction not in _REDUCTIONS:
+            raise ValueError(
+                "`reduction` must be one of "
+                f"{', '.join(repr(r) for r in _REDUCTIONS)}. Received: "
+                f"reduction={reduction!r}"
+            )
+        if name is None:
+            fn_name = getattr(fn, "__name__", None)
+            name = fn_name if fn_name and fn_name != "<lambda>" else "gradient_metric"
+        super().__init__(name=name, dtype="float32", **kwargs)
+        self.fn = fn
+        self.reduction = reduction
+        # Training steps seen since the last reset.
+        self._count = self.add_variable(
+            shape=(), initializer="zeros", aggregation="mean", name="count"
+        )
+        # Steps that counted, for metrics whose `_measure` may skip a step.
+        self._counted = None
+        # `{log key: variable}`; per-layer metrics only learn their keys
+        # (the layers) in the first training step.
+        self._state = {}
+        self._keys = ()
+        keys = self._keys_for(None)
+        if keys is not None:
+            self._build_state(keys)
+
+    # What subclasses define -------------------------------------------
+
+    def _keys_for(self, paths):
+        """The log keys for these variable paths; None if `paths` is None
+        and the keys depend on them (per-layer metrics)."""
+        del paths
+        return (self.name,)
+
+    def _build_for(self, variables):
+        """Creates the state for training these variables, before tracing."""
+        self._build_state(self._keys_for([v.path for v in variables]))
+
+    def _step_values(self, grads):
+        """`{log key: float32 scalar}` of one step, from `{path: grad}`.
+
+        The base class calls `fn` on the nested float32 gradients.
+        """
+        nested = _keeper.nest_by_path({p: _float32(g) for p, g in grads.items()})
+        value = self.fn(nested)
+        if value is None:
+            raise ValueError(
+                f"The `fn` of GradientMetric {self.name!r} must return a "
+                "scalar. Received: None"
+            )
+        value = tf.convert_to_tensor(value)
+        if value.shape.rank != 0:
+            raise ValueError(
+                f"The `fn` of GradientMetric {self.name!r} must return a "
+                f"scalar. Received: a tensor of shape {value.shape}. Reduce "
+                "it to one number (e.g. with `keras.ops.max`), or use one "
+                "GradientMetric per value."
+            )
+        return {self.name: tf.cast(value, tf.float32)}
+
+    def _measure(self, grads):
+        """`(values, counted)`: `counted` is None, or a bool tensor saying
+        whether this step counts at all."""
+        return self._step_values(grads), None
+
+    # State ------------------------------------------------------------
+
+    def _initial_value(self):
+        return float("-inf") if self.reduction == "max" else 0.0
+
+    def _build_state(self, keys):
+        missing = [k for k in keys if k not in self._state]
+        if not missing:
+            return
+        # Created in the first (traced) step for per-layer metrics:
+        # `init_scope` lifts the variables out of the function being traced.
+        with tf.init_scope():
+            for key in missing:
+                self._state[key] = self.add_variable(
+                    shape=(),
+                    initializer=keras.initializers.Constant(self._initial_value()),
+                    aggregation="mean",
+                    name=f"value_{len(self._state)}",
+                )
+
+    def reset_state(self):
+        self._count.assign(0.0)
+        if self._counted is not None:
+            self._counted.assign(0.0)
+        for variable in self._state.values():
+            variable.assign(self._initial_value())
+
+    def update_state(self, y_true=None, y_pred=None, sample_weight=None):
+        """Adds this training step's value; does nothing in evaluation.
+
+        `y_true`, `y_pred` and `sample_weight` are ignored: the value comes
+        from the step's kept gradients.
+
+        Raises:
+            ValueError: called in a training step that keeps no gradients
+                (a plain `keras.Model`, or `keep_gradients=False`), or `fn`
+                returned something other than a scalar.
+        """
+        del y_true, y_pred, sample_weight
+        grads = _keeper.current_step_gradients()
+        if grads is None:
+            if _keeper.in_evaluation_step() or _compat.in_symbolic_build():
+                return
+            raise ValueError(
+                f"Gradient metric {self.name!r} ({type(self).__name__}) ran "
+                "in a step that keeps no gradients: it only works in the "
+                "training step of a model that keeps them. Build the model "
+                "with `keras_keepgrad.KeepGradModel(inputs, outputs)` or "
+                "wrap it with `keras_keepgrad.keep_gradients(model)`, with "
+                "`keep_gradients=True` (the default), and compile that model "
+                "with this metric."
+            )
+        values, counted = self._measure(grads)
+        self._build_state(values)
+        self._keys = tuple(values)
+        weight = 1.0 if counted is None else tf.cast(counted, tf.float32)
+        for key, value in values.items():
+            variable = self._state[key]
+            if self.reduction in ("mean", "sum"):
+                variable.assign_add(value * weight)
+            elif self.reduction == "last":
+                new = value if counted is None else tf.where(counted, value, variable)
+                variable.assign(new)
+            else:
+                new = tf.maximum(variable, value)
+                variable.assign(new if counted is None else tf.where(counted, new, variable))
+        self._count.assign_add(1.0)
+        if self._counted is not None:
+            self._counted.assign_add(weight)
+
+    def result(self):
+        """The reduced values as `{log key: float32 scalar}`.
+
+        Returns `{}` when there is nothing to report: in evaluation, and
+        while no training step was seen since the last reset.
+        """
+        if not self._keys:
+            return {}
+        if _keeper.current_step_gradients() is None:
+            if _keeper.in_evaluation_step() or _compat.in_symbolic_build():
+                return {}
+            if tf.executing_eagerly() and float(self._count.numpy()) == 0.0:
+                return {}
+        count = tf.convert_to_tensor(
+            self._count if self._counted is None else self._counted
+        )
+        results = {}
+        for key in self._keys:
+            value = tf.convert_to_tensor(self._state[key])
+            if self.reduction == "mean":
+                value = tf.math.divide_no_nan(value, count)
+            elif self.reduction == "max":
+                value = tf.where(count > 0, value, 0.0)
+            results[key] = value
+        return results
+
+    # Serialization ----------------------------------------------------
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("dtype", None)
+        config["reduction"] = self.reduction
+        if self.fn is not None:
+            config["fn"] = keras.saving.serialize_keras_object(self.fn)
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if isinstance(config.get("fn"), dict):
+            config["fn"] = keras.saving.deserialize_keras_object(config["fn"])
+        return cls(**config)
+
+
+class _PerLayerMixin:
+    """Keys `name/<layer>` when `per_layer=True`, else the one key `name`."""
+
+    def _keys_for(self, paths):
+        if not self.per_layer:
+            return (self.name,)
+        if paths is None:
+            return None
+        layers = dict.fromkeys(_layer_of(p) for p in paths)
+        return tuple(f"{self.name}/{layer}" for layer in layers)
+
+    def _per_layer(self, groups, measure):
+        if not self.per_layer:
+            raise AssertionError("only for per_layer=True")
+        return {f"{self.name}/{layer}": measure(ts) for layer, ts in groups.items()}
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad")
+class GradientNorm(_PerLayerMixin, GradientMetric):
+    """The L2 norm of each step's gradients, logged as `grad_norm`.
+
+    The global norm is `sqrt(sum of every squared gradient entry)` over all
+    trainable variables, as `tf.linalg.global_norm` (and the optimizer's
+    `global_clipnorm`) computes it, but on the unscaled, unclipped
+    gradients. With `per_layer=True` it is one norm per layer (over that
+    layer's trainable variables, e.g. kernel and bias), logged as
+    `grad_norm/<layer>`, where `<layer>` is the variables' path without
+    their own name (`dense` for `dense/kernel`).
+
+    Args:
+        per_layer: Bool. One value per layer instead of one global value.
+            Defaults to `False`.
+        name: String. Log key (prefix with `per_layer=True`). Defaults to
+            `"grad_norm"`.
+        reduction: String. `"mean"`, `"last"`, `"sum"` or `"max"`, as for
+            `GradientMetric`. Defaults to `"mean"`.
+        **kwargs: Passed on to `GradientMetric`.
+
+    Example:
+
+    ```python
+    # Dense(1, use_bias=False, kernel_initializer=Constant(3.0)),
+    # x = [[1], [2]], y = 0, mse: grad = 5w = 15.
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                  metrics=[kg.metrics.GradientNorm()])
+    model.fit(x, y, batch_size=2).history["grad_norm"]  # [15.0]
+    ```
+    """
+
+    def __init__(self, per_layer=False, name="grad_norm", reduction="mean", **kwargs):
+        self.per_layer = _compat_bool("per_layer", per_layer)
+        super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
+
+    def _step_values(self, grads):
+        dense = {p: _float32(g) for p, g in grads.items()}
+        if self.per_layer:
+            return self._per_layer(_group_by_layer(dense), _norm)
+        return {self.name: _norm(list(dense.values()))}
+
+    def get_config(self):
+        config = super().get_config()
+        config["per_layer"] = self.per_layer
+        return config
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad")
+class GradientMaxAbs(GradientMetric):
+    """The largest absolute gradient entry, logged as `grad_max_abs`.
+
+    Over all trainable variables of the step. By default the epoch value is
+    the largest of its steps' values (`reduction="max"`).
+
+    Args:
+        name: String. Log key. Defaults to `"grad_max_abs"`.
+        reduction: String. `"max"`, `"mean"`, `"last"` or `"sum"`, as for
+            `GradientMetric`. Defaults to `"max"`.
+        **kwargs: Passed on to `GradientMetric`.
+    """
+
+    def __init__(self, name="grad_max_abs", reduction="max", **kwargs):
+        super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
+
+    def _step_values(self, grads):
+        maxima = [tf.reduce_max(tf.abs(_float32(g))) for g in grads.values()]
+        if not maxima:
+            return {self.name: tf.constant(0.0)}
+        return {self.name: tf.reduce_max(tf.stack(maxima))}
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad")
+class NonFiniteGradients(GradientMetric):
+    """Counts the steps with any inf or NaN gradient, as `grad_nonfinite`.
+
+    By default (`reduction="sum"`) the epoch value is the number of such
+    steps in the epoch. The gradients are the unscaled ones the optimizer
+    receives, so under `keras.optimizers.LossScaleOptimizer` (and the
+    `mixed_float16` policy) this counts exactly the steps that dynamic loss
+    scaling skipped. With `reduction="mean"` it is their fraction.
+
+    Args:
+        name: String. Log key. Defaults to `"grad_nonfinite"`.
+        reduction: String. `"sum"`, `"mean"`, `"last"` or `"max"`, as for
+            `GradientMetric`. Defaults to `"sum"`.
+        **kwargs: Passed on to `GradientMetric`.
+    """
+
+    def __init__(self, name="grad_nonfinite", reduction="sum", **kwargs):
+        super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
+
+    def _step_values(self, grads):
+        finite = [tf.reduce_all(tf.math.is_finite(_float32(g))) for g in grads.values()]
+        all_finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
+        return {self.name: 1.0 - tf.cast(all_finite, tf.float32)}
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad")
+class VanishingGradients(GradientMetric):
+    """The fraction of layers whose gradient norm is below `threshold`.
+
+    Logged as `grad_vanishing`. A layer's norm is taken over its trainable
+    variables (as `GradientNorm(per_layer=True)`); a layer the loss does not
+    reach has a zero gradient and counts as vanishing. Frozen layers are not
+    counted at all.
+
+    Args:
+        threshold: Float. A layer whose gradient norm is strictly below it
+            counts. Defaults to `1e-7`.
+        name: String. Log key. Defaults to `"grad_vanishing"`.
+        reduction: String. `"mean"`, `"last"`, `"sum"` or `"max"`, as for
+            `GradientMetric`. Defaults to `"mean"`.
+        **kwargs: Passed on to `GradientMetric`.
+
+    Raises:
+        ValueError: `threshold` is negative or not a number.
+    """
+
+    def __init__(self, threshold=1e-7, name="grad_vanishing", reduction="mean", **kwargs):
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold < 0:
+            raise ValueError(
+                "`threshold` must be a non-negative number. Received: "
+                f"threshold={threshold!r}"
+            )
+        self.threshold = float(threshold)
+        super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
+
+    def _step_values(self, grads):
+        groups = _group_by_layer({p: _float32(g) for p, g in grads.items()})
+        if not groups:
+            return {self.name: tf.constant(0.0)}
+        small = [tf.cast(_norm(ts) < self.threshold, tf.float32) for ts in groups.values()]
+        return {self.name: tf.add_n(small) / float(len(small))}
+
+    def get_config(self):
+        config = super().get_config()
+        config["threshold"] = self.threshold
+        return config
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad")
+class UpdateRatio(_PerLayerMixin, GradientMetric):
+    """The size of each step's weight update relative to the weights.
+
+    Logged as `update_ratio`: `‖w_after - w_before‖ / ‖w_before‖` over all
+    trainable variables, or, with `per_layer=True`, one ratio per layer
+    (over its trainable variables) logged as `update_ratio/<layer>`. This is
+    the update that actually happened, whatever the optimizer (Adam's
+    normalized steps, momentum, clipping, weight decay and constraints
+    included): the metric keeps a float32 copy of every trainable variable
+    from the previous step, which costs one model's worth of memory, and
+    compares. A rule of thumb reads ratios around `1e-3` as healthy.
+
+    Caveats, by construction: a ratio is 0 where the weights before were all
+    zero. Anything else that changes the weights between two training steps
+    (e.g. `set_weights`) counts as part of the next update. The copies are
+    first taken when the training function is traced, i.e. before the first
+    step; under `run_eagerly=True` that happens after the first update, so
+    that first step is not counted.
+
+    Args:
+        per_layer: Bool. One value per layer instead of one global value.
+            Defaults to `False`.
+        name: String. Log key (prefix with `per_layer=True`). Defaults to
+            `"update_ratio"`.
+        reduction: String. `"mean"`, `"last"`, `"sum"` or `"max"`, as for
+            `GradientMetric`. Defaults to `"mean"`.
+        **kwargs: Passed on to `GradientMetric`.
+
+    Example:
+
+    ```python
+    # One weight w = 3, grad 5w = 15, SGD(0.1): w -> 1.5, ratio 1.5 / 3.
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                  metrics=[kg.metrics.UpdateRatio()])
+    model.fit(x, y, batch_size=2).history["update_ratio"]  # [0.5]
+    ```
+    """
+
+    def __init__(self, per_layer=False, name="update_ratio", reduction="mean", **kwargs):
+        self.per_layer = _compat_bool("per_layer", per_layer)
+        super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
+        self._copies = _Holder()
+        self._counted = self.add_variable(
+            shape=(), initializer="zeros", aggregation="mean", name="counted"
+        )
+
+    def _measure(self, grads):
+        variables = _keeper.current_step_variables()
+        if variables is None:
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r} needs the variables "
+                "trained in the step, which this model does not provide."
+            )
+        deltas, befores, primed = {}, {}, []
+        for path in grads:
+            variable = variables[path]
+            now = tf.cast(tf.convert_to_tensor(variable), tf.float32)
+            previous, is_primed = self._copy_of(path, variable)
+            befores[path] = tf.convert_to_tensor(previous)
+            deltas[path] = now - befores[path]
+            primed.append(tf.convert_to_tensor(is_primed))
+            previous.assign(now)
+            is_primed.assign(True)
+
+        def ratio(paths):
+            return tf.math.divide_no_nan(
+                _norm([deltas[p] for p in paths]), _norm([befores[p] for p in paths])
+            )
+
+        if self.per_layer:
+            values = self._per_layer(_group_by_layer({p: p for p in grads}), ratio)
+        else:
+            values = {self.name: ratio(list(grads))}
+        counted = tf.reduce_all(tf.stack(primed)) if primed else None
+        return values, counted
+
+    def _build_for(self, variables):
+        super()._build_for(variables)
+        for variable in variables:
+            self._copy_of(variable.path, variable, before_update=True)
+
+    def _copy_of(self, path, variable, before_update=None):
+        """The float32 copy of `variable` from the previous step, and
+        whether it holds the weights from before this step's update."""
+        copies = self._copies.variables
+        if path not in copies or tuple(copies[path][0].shape) != tuple(variable.shape):
+            if before_update is None:
+                # Made in the step: while tracing, the value is read before
+                # the step runs; eagerly, the update already happened.
+                before_update = not tf.executing_eagerly()
+            with tf.init_scope():
+                value = tf.cast(tf.convert_to_tensor(variable), tf.float32)
+                # One local copy per replica, as each replica updates it.
+                local = dict(
+                    trainable=False,
+                    synchronization=tf.VariableSynchronization.ON_READ,
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                )
+                copies[path] = (
+                    tf.Variable(value, **local),
+                    tf.Variable(before_update, **local),
+                )
+        return copies[path]
+
+    def get_config(self):
+        config = super().get_config()
+        config["per_layer"] = self.per_layer
+        return config
+
+
+def _compat_bool(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"`{name}` must be a bool (True or False). Received: "
+            f"{name}={value!r} of type {type(value).__name__}"
+        )
+    return value
+
+
+def _gradient_metrics(model):
+    found = []
+    for metric in model.metrics:
+        # `CompileMetrics` holds the metrics passed to `compile`.
+        for m in [metric, *getattr(metric, "metrics", ())]:
+            if isinstance(m, GradientMetric) and m not in found:
+                found.append(m)
+    return found
+
+
+def build_gradient_metrics(model):
+    """Creates the state of `model`'s gradient metrics (internal).
+
+    `KeepGradModel.make_train_function` calls it before the training step is
+    traced, as Keras builds the optimizer: per-layer metrics learn their
+    layers, and `UpdateRatio` copies the weights from before the first step
+    (also under `run_eagerly=True`). Metrics built otherwise create their
+    state in the first step.
+    """
+    metrics = _gradient_metrics(model)
+    if not metrics:
+        return
+    variables = list(model.trainable_variables)
+    with model.distribute_strategy.scope():
+        for metric in metrics:
+            metric._build_for(variables)
