@@ -1,6 +1,7 @@
 """keras_keepgrad: see every batch's gradients during `model.fit`."""
 
 from keras_keepgrad import callbacks
+from keras_keepgrad import metrics
 from keras_keepgrad.model import KeepGradModel
 from keras_keepgrad.model import keep_gradients
 
