@@ -1,0 +1,576 @@
+"""Saving, against CONTRACT.md "What is kept" (saving lines) and issue 5.
+
+The one-weight model of conftest.py: one SGD(0.1) step on x = [[1], [2]],
+y = 0 keeps the gradient 5w = 15 and moves w from 3 to 1.5; each further
+step on the same batch halves w again (gradient 7.5, 3.75, ...).
+"""
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+import zipfile
+
+import h5py
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import X
+from conftest import Y
+from conftest import dense_0
+
+import keras_keepgrad as kg
+from keras_keepgrad import _saving
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GRAD_KEY = "_kept_gradients/vars/0:dense_0%2Fkernel"
+
+# Models a fresh process must load from their registered names alone.
+MODELS_MODULE = '''
+import keras
+import keras_keepgrad as kg
+
+
+def _dense():
+    return keras.layers.Dense(
+        1, use_bias=False, kernel_initializer=keras.initializers.Constant(3.0),
+        name="dense_0")
+
+
+@keras.saving.register_keras_serializable(package="test_saving")
+class KeptNet(kg.KeepGradModel):
+    """A subclassed `KeepGradModel` with `get_config`."""
+
+    def __init__(self, units=1, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.dense = _dense()
+
+    def call(self, x):
+        return self.dense(x)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+@keras.saving.register_keras_serializable(package="test_saving")
+class PlainNet(keras.Model):
+    """A plain subclassed model, to wrap with `keep_gradients()`."""
+
+    def __init__(self, units=1, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.dense = _dense()
+
+    def call(self, x):
+        return self.dense(x)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+'''
+
+
+# --- helpers ------------------------------------------------------------------
+
+
+def one_weight(cls=kg.KeepGradModel, name="net", layer="dense_0", **options):
+    inputs = keras.Input((1,))
+    model = cls(inputs, dense_0(name=layer)(inputs), name=name, **options)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+def trained(cls=kg.KeepGradModel, steps=1, **options):
+    model = one_weight(cls, **options)
+    model.fit(np.tile(X, (steps, 1)), np.tile(Y, (steps, 1)), batch_size=2,
+              shuffle=False, verbose=0)
+    return model
+
+
+def h5_arrays(path):
+    """`{dataset path: array}` of a .weights.h5 file or of a .keras archive."""
+    if str(path).endswith(".keras"):
+        with zipfile.ZipFile(path) as archive:
+            path = io.BytesIO(archive.read("model.weights.h5"))
+    found = {}
+    with h5py.File(path, "r") as f:
+        def visit(name, obj):
+            if isinstance(obj, h5py.Dataset):
+                found[name] = obj[()]
+        f.visititems(visit)
+    return found
+
+
+def assert_same_arrays(found, expected):
+    assert sorted(found) == sorted(expected)
+    for key, value in expected.items():
+        np.testing.assert_array_equal(found[key], value, err_msg=key)
+
+
+@contextlib.contextmanager
+def warns(category, match):
+    """Like `pytest.warns`, without re-emitting the third-party deprecation
+    warnings that saving raises (they are ignored by pyproject's filters)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    assert any(
+        issubclass(w.category, category) and re.search(match, str(w.message))
+        for w in caught
+    ), [str(w.message) for w in caught]
+
+
+def kernel_grad(model):
+    return model.gradients["dense_0"]["kernel"].numpy().tolist()
+
+
+def only_grad(model):
+    """The one kept gradient, whatever its path (Sequential prefixes it)."""
+    (grad,) = model.get_gradients_by_path().values()
+    return grad.numpy().tolist()
+
+
+def saved_gradients(path):
+    return {k: v for k, v in h5_arrays(path).items() if k.startswith("_kept_gradients/")}
+
+
+def save(model, path):
+    if str(path).endswith(".keras"):
+        model.save(path)
+    else:
+        model.save_weights(path)
+
+
+# --- what the files hold --------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
+@pytest.mark.parametrize("save_gradients", [False, True])
+def test_files_hold_the_plain_arrays_and_gradients_only_on_request(
+    tmp_path, suffix, save_gradients
+):
+    plain = trained(keras.Model)
+    kept = trained(save_gradients=save_gradients)
+    save(plain, tmp_path / f"plain{suffix}")
+    save(kept, tmp_path / f"kept{suffix}")
+    expected = h5_arrays(tmp_path / f"plain{suffix}")
+    # The plain model's file: kernel 1.5, SGD iterations 1 and learning rate.
+    assert sorted(expected) == [
+        "layers/dense/vars/0", "optimizer/vars/0", "optimizer/vars/1"]
+    if save_gradients:
+        expected[GRAD_KEY] = np.array([[15.0]], "float32")
+    assert_same_arrays(h5_arrays(tmp_path / f"kept{suffix}"), expected)
+
+
+@pytest.mark.parametrize(
+    "options, train",
+    [
+        (dict(save_gradients=True), False),  # nothing kept yet
+        (dict(save_gradients=True, keep_gradients=False), True),
+    ],
+    ids=["untrained", "keep_gradients_off"],
+)
+def test_nothing_kept_means_nothing_saved(tmp_path, options, train):
+    model = trained(**options) if train else one_weight(**options)
+    model.save_weights(tmp_path / "m.weights.h5")
+    assert saved_gradients(tmp_path / "m.weights.h5") == {}
+
+
+def test_stale_gradients_are_not_saved_with_a_warning(tmp_path):
+    model = trained(save_gradients=True)
+    model.layers[-1].trainable = False  # the kept gradient no longer fits
+    with warns(UserWarning, match="were not saved .*stale"):
+        model.save_weights(tmp_path / "m.weights.h5")
+    assert sorted(h5_arrays(tmp_path / "m.weights.h5")) == [
+        "layers/dense/vars/0", "optimizer/vars/0", "optimizer/vars/1"]
+
+
+def test_sparse_gradient_is_saved_dense_and_restored_in_place(tmp_path):
+    # mean over 4 rows of e[id]^2 with e = 1: d/de[i] = 2 * count(i) / 4,
+    # ids 0, 0, 1, 2 -> [1, 0.5, 0.5, 0] (duplicate rows summed).
+    def embedding_model():
+        inputs = keras.Input((1,), dtype="int32")
+        emb = keras.layers.Embedding(
+            4, 1, embeddings_initializer="ones", name="emb")(inputs)
+        model = kg.KeepGradModel(inputs, emb, save_gradients=True)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      jit_compile=False)  # sparse slots
+        return model
+
+    ids = np.array([[0], [0], [1], [2]])
+    target = np.zeros((4, 1, 1))
+    model = embedding_model()
+    model.fit(ids, target, batch_size=4, verbose=0)
+    model.save_weights(tmp_path / "m.weights.h5")
+    stored = h5_arrays(tmp_path / "m.weights.h5")["_kept_gradients/vars/0:emb%2Fembeddings"]
+    np.testing.assert_array_equal(stored, [[1.0], [0.5], [0.5], [0.0]])
+
+    slots = model._keeper.slot_variables()
+    assert len(slots) == 2  # (values, indices): the slot is sparse
+    model.fit(np.full((4, 1), 3), target, batch_size=4, verbose=0)
+    np.testing.assert_array_equal(model.gradients["emb"]["embeddings"], [[0], [0], [0], [2]])
+    model.load_weights(tmp_path / "m.weights.h5")
+    np.testing.assert_array_equal(
+        model.gradients["emb"]["embeddings"], [[1.0], [0.5], [0.5], [0.0]])
+    assert all(a is b for a, b in zip(model._keeper.slot_variables(), slots))
+
+
+# --- restoring ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
+def test_load_restores_saved_gradients_exactly(tmp_path, suffix):
+    path = tmp_path / f"m{suffix}"
+    save(trained(save_gradients=True), path)
+    if suffix == ".keras":
+        model = keras.models.load_model(path)
+        assert isinstance(model, kg.KeepGradModel)
+    else:
+        model = one_weight()
+        model.load_weights(path)
+    # Before any training: dense slots made from the file.
+    assert kernel_grad(model) == [[15.0]]
+    assert model.gradient_dtypes == {"dense_0/kernel": tf.float32}
+    # Training rebuilds the slots, then keeps the new step's gradient: 5 * 1.5.
+    model.fit(X, Y, batch_size=2, verbose=0)
+    assert kernel_grad(model) == [[7.5]]
+    assert model.get_weights()[0].tolist() == [[0.75]]
+
+
+def test_load_weights_writes_the_slots_a_traced_step_writes(tmp_path):
+    save(trained(save_gradients=True), tmp_path / "m.weights.h5")
+    model = trained(steps=2)  # gradients 15 then 7.5; w = 0.75
+    slots = model._keeper.slot_variables()
+    train_function = model.train_function
+    model.load_weights(tmp_path / "m.weights.h5")  # w = 1.5, gradient 15
+    assert kernel_grad(model) == [[15.0]]
+    assert all(a is b for a, b in zip(model._keeper.slot_variables(), slots))
+    model.fit(X, Y, batch_size=2, verbose=0)
+    assert model.train_function is train_function
+    assert kernel_grad(model) == [[7.5]]
+
+
+def test_a_file_without_gradients_leaves_them_alone(tmp_path):
+    save(trained(keras.Model), tmp_path / "plain.weights.h5")
+    model = trained(steps=2)
+    model.load_weights(tmp_path / "plain.weights.h5")
+    assert model.get_weights()[0].tolist() == [[1.5]]
+    assert kernel_grad(model) == [[7.5]]  # still the last trained batch's
+
+
+def test_keep_gradients_false_ignores_saved_gradients(tmp_path):
+    save(trained(save_gradients=True), tmp_path / "m.weights.h5")
+    model = one_weight(keep_gradients=False)
+    model.load_weights(tmp_path / "m.weights.h5")
+    assert model.get_weights()[0].tolist() == [[1.5]]
+    assert model._keeper is None
+
+
+# --- plain <-> kept -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["functional", "sequential"])
+@pytest.mark.parametrize("save_gradients", [False, True])
+def test_weights_files_move_between_plain_and_kept_models(tmp_path, kind, save_gradients):
+    def plain_model():
+        if kind == "sequential":
+            model = keras.Sequential([keras.Input((1,)), dense_0()])
+        else:
+            inputs = keras.Input((1,))
+            model = keras.Model(inputs, dense_0()(inputs))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    # kept -> plain, even with the gradients in the file.
+    kept = kg.keep_gradients(plain_model(), save_gradients=save_gradients)
+    kept.fit(X, Y, batch_size=2, verbose=0)
+    kept.save_weights(tmp_path / "kept.weights.h5")
+    saved = saved_gradients(tmp_path / "kept.weights.h5")
+    assert [v.tolist() for v in saved.values()] == ([[[15.0]]] if save_gradients else [])
+    plain = plain_model()
+    plain.load_weights(tmp_path / "kept.weights.h5")
+    assert plain.get_weights()[0].tolist() == [[1.5]]
+    assert int(plain.optimizer.iterations) == 1
+
+    # plain -> kept.
+    plain.fit(X, Y, batch_size=2, verbose=0)  # w = 0.75
+    plain.save_weights(tmp_path / "plain.weights.h5")
+    kept.load_weights(tmp_path / "plain.weights.h5")
+    assert kept.get_weights()[0].tolist() == [[0.75]]
+    kept.fit(X, Y, batch_size=2, verbose=0)
+    assert only_grad(kept) == [[3.75]]  # 5 * 0.75
+
+
+def test_a_plain_archive_becomes_a_kept_model(tmp_path):
+    plain = trained(keras.Model)  # w = 1.5
+    plain.save(tmp_path / "plain.keras")
+    model = kg.keep_gradients(keras.models.load_model(tmp_path / "plain.keras"),
+                              save_gradients=True)
+    assert isinstance(model, kg.KeepGradModel)
+    model.fit(X, Y, batch_size=2, verbose=0)
+    assert kernel_grad(model) == [[7.5]]
+    assert int(model.optimizer.iterations) == 2  # the optimizer came along
+    model.save(tmp_path / "kept.keras")
+    assert h5_arrays(tmp_path / "kept.keras")[GRAD_KEY].tolist() == [[7.5]]
+
+
+# --- .keras in a fresh process -------------------------------------------------
+
+
+def test_keras_archives_round_trip_in_a_fresh_process(tmp_path):
+    (tmp_path / "saving_models.py").write_text(MODELS_MODULE)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import saving_models
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("saving_models", None)
+
+    options = dict(save_gradients=True, keep_every=2)
+    inputs = keras.Input((1,))
+    models = {
+        "functional": kg.KeepGradModel(inputs, dense_0()(inputs), **options),
+        "subclassed": saving_models.KeptNet(**options),
+        "wrapped": kg.keep_gradients(saving_models.PlainNet(), **options),
+        "from_sequential": kg.keep_gradients(
+            keras.Sequential([keras.Input((1,)), dense_0()]), **options),
+    }
+    for name, model in models.items():
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(X, Y, batch_size=2, verbose=0)
+        model.save(tmp_path / f"{name}.keras")
+
+    code = f"""
+        import json, sys
+        import numpy as np
+        import keras
+        import keras_keepgrad as kg
+        sys.path.insert(0, {str(tmp_path)!r})
+        import saving_models  # registers KeptNet / PlainNet, as a user would
+
+        out = {{}}
+        for name in {sorted(models)!r}:
+            model = keras.models.load_model({str(tmp_path)!r} + f"/{{name}}.keras")
+            row = dict(
+                cls=type(model).__name__,
+                is_kept=isinstance(model, kg.KeepGradModel),
+                options=[model.keep_gradients, model.save_gradients, model.keep_every],
+                loaded=[g.numpy().tolist() for g in model.get_gradients_by_path().values()],
+                weights=[w.tolist() for w in model.get_weights()],
+            )
+            x = np.array([[1.0], [2.0]], "float32")
+            model.fit(x, np.zeros((2, 1), "float32"), batch_size=2, verbose=0)
+            row["after_fit"] = [g.numpy().tolist()
+                                for g in model.get_gradients_by_path().values()]
+            out[name] = row
+        print(json.dumps(out))
+    """
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                            capture_output=True, text=True, env=env, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    for name, model in models.items():
+        row = out[name]
+        assert row["cls"] == type(model).__name__, name
+        assert row["is_kept"], name
+        assert row["options"] == [True, True, 2], name
+        assert row["loaded"] == [[[15.0]]], name
+        assert row["weights"] == [[[1.5]]], name
+        assert row["after_fit"] == [[[7.5]]], name
+
+
+# --- never in checkpoints or exports --------------------------------------------
+
+
+def test_tf_checkpoint_and_export_hold_no_gradient_slots(tmp_path):
+    plain = trained(keras.Model)
+    kept = trained(save_gradients=True)
+    assert len(kept._keeper.slot_variables()) == 1  # there is a slot to leak
+    listings = {}
+    for name, model in (("plain", plain), ("kept", kept)):
+        tf.train.Checkpoint(model=model).write(str(tmp_path / name / "ckpt"))
+        model.export(str(tmp_path / name / "export"), verbose=False)
+        listings[name] = (
+            tf.train.list_variables(str(tmp_path / name / "ckpt")),
+            tf.train.list_variables(str(tmp_path / name / "export/variables/variables")),
+        )
+    assert listings["kept"] == listings["plain"]
+    ckpt, export = listings["kept"]
+    assert [shape for _, shape in ckpt].count([1, 1]) == 1  # only the kernel
+    loaded = tf.saved_model.load(str(tmp_path / "kept" / "export"))
+    assert [v.shape.as_list() for v in loaded.variables] == [[1, 1]]
+    np.testing.assert_array_equal(loaded.serve(X), [[1.5], [3.0]])
+
+
+@pytest.mark.parametrize("save_weights_only", [True, False])
+@pytest.mark.parametrize("save_gradients", [False, True])
+def test_model_checkpoint_files_follow_save_gradients(
+    tmp_path, save_weights_only, save_gradients
+):
+    # `ModelCheckpoint` writes with `save_weights` / `save`: plain files by
+    # default, the gradients too when the model was asked to save them.
+    suffix = ".weights.h5" if save_weights_only else ".keras"
+    for name, model in (("plain", one_weight(keras.Model)),
+                        ("kept", one_weight(save_gradients=save_gradients))):
+        checkpoint = keras.callbacks.ModelCheckpoint(
+            str(tmp_path / f"{name}{suffix}"), save_weights_only=save_weights_only)
+        model.fit(X, Y, batch_size=2, verbose=0, callbacks=[checkpoint])
+    expected = h5_arrays(tmp_path / f"plain{suffix}")
+    if save_gradients:
+        expected[GRAD_KEY] = np.array([[15.0]], "float32")
+    assert_same_arrays(h5_arrays(tmp_path / f"kept{suffix}"), expected)
+
+
+class _Interrupt(keras.callbacks.Callback):
+    """Raises before batch `batch` of epoch `epoch`, like a preemption."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+        self.epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("interrupted")
+
+
+class _Recorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+        self.epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append((self.epoch, batch, kernel_grad(self.model)[0][0]))
+
+
+def test_backup_and_restore_resumes_mid_epoch_with_gradients(tmp_path):
+    # 2 epochs of 2 identical batches; each step halves w: 3, 1.5, 0.75, ...
+    x, y = np.tile(X, (2, 1)), np.tile(Y, (2, 1))
+    backup_dir = str(tmp_path / "backup")
+
+    model = one_weight()
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(backup_dir, save_freq=1),
+                             _Interrupt(epoch=1, batch=1)])
+    # Three steps ran (w = 0.375) and the last was backed up, without gradients.
+    backup = h5_arrays(os.path.join(backup_dir, "latest.weights.h5"))
+    assert sorted(backup) == ["layers/dense/vars/0", "optimizer/vars/0", "optimizer/vars/1"]
+    assert backup["layers/dense/vars/0"].tolist() == [[0.375]]
+
+    # A new process would build the model afresh: so does this.
+    keras.backend.clear_session()
+    model = one_weight()
+    recorder = _Recorder()
+    history = model.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[keras.callbacks.BackupAndRestore(backup_dir, save_freq=1),
+                                   recorder])
+    # Resumed at epoch 1 from w = 0.375 (Keras restarts the epoch's batches).
+    assert recorder.seen == [(1, 0, 1.875), (1, 1, 0.9375)]
+    assert model.get_weights()[0].tolist() == [[0.09375]]
+    assert int(model.optimizer.iterations) == 5
+    assert len(history.history["loss"]) == 1
+
+
+# --- bad input --------------------------------------------------------------------
+
+
+def _rewrite_gradient(path, value):
+    with h5py.File(path, "r+") as f:
+        del f[GRAD_KEY]
+        f[GRAD_KEY] = value
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        (np.zeros((2, 1), "float32"), r"has shape \(2, 1\), but the variable has shape \(1, 1\)"),
+        (np.zeros((1, 1), "float64"), r"has dtype float64, but the model keeps it as float32"),
+    ],
+    ids=["shape", "dtype"],
+)
+def test_mismatched_saved_gradients_raise_and_restore_nothing(tmp_path, value, match):
+    path = tmp_path / "m.weights.h5"
+    save(trained(save_gradients=True), path)
+    _rewrite_gradient(path, value)
+    model = trained(steps=2)  # kept 7.5
+    with pytest.raises(ValueError, match=match):
+        model.load_weights(path)
+    assert kernel_grad(model) == [[7.5]]
+    # `skip_mismatch=True`: Keras's warning, the weights, not the gradients.
+    with warns(UserWarning, match=match):
+        model.load_weights(path, skip_mismatch=True)
+    assert model.get_weights()[0].tolist() == [[1.5]]
+    assert kernel_grad(model) == [[7.5]]
+
+
+def test_gradients_for_other_variables_raise(tmp_path):
+    path = tmp_path / "m.weights.h5"
+    save(trained(save_gradients=True), path)
+    model = one_weight()
+    model.layers[-1].trainable = False  # the weights still load
+    with pytest.raises(ValueError, match=(
+            r"holds gradients for 1 variables \(\['dense_0/kernel'\]\), but "
+            r"model 'net' has 0 trainable variables \(\[\]\)")):
+        model.load_weights(path)
+    assert model.get_weights()[0].tolist() == [[1.5]]
+    assert model._keeper is None
+
+
+def test_gradients_of_an_edited_file_raise(tmp_path):
+    path = tmp_path / "m.weights.h5"
+    save(trained(save_gradients=True), path)
+    with h5py.File(path, "r+") as f:
+        f["_kept_gradients/vars/kernel"] = np.zeros((1, 1), "float32")
+    with pytest.raises(ValueError, match="Unexpected dataset 'kernel'"):
+        one_weight().load_weights(path)
+
+
+@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
+def test_truncated_file_gives_keras_error_and_overwrites_nothing(tmp_path, suffix):
+    good = tmp_path / f"good{suffix}"
+    save(trained(save_gradients=True, steps=3), good)  # w = 0.375, gradient 3.75
+    bad = tmp_path / f"bad{suffix}"
+    bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+
+    plain = trained(keras.Model)
+    with pytest.raises(Exception) as plain_error:
+        plain.load_weights(bad)
+    model = trained(save_gradients=True)  # w = 1.5, gradient 15
+    with pytest.raises(type(plain_error.value)) as kept_error:
+        model.load_weights(bad)
+    assert str(kept_error.value) == str(plain_error.value)
+    assert model.get_weights()[0].tolist() == [[1.5]]
+    assert kernel_grad(model) == [[15.0]]
+    assert int(model.optimizer.iterations) == 1
+    if suffix == ".keras":
+        with pytest.raises(ValueError, match="accessible `.keras` zip file"):
+            keras.models.load_model(bad)
+    # The intact file still restores everything.
+    shutil.copy(good, bad)
+    model.load_weights(bad)
+    assert kernel_grad(model) == [[3.75]]
+    assert model.get_weights()[0].tolist() == [[0.375]]
+
+
+def test_state_is_one_object_per_model():
+    model = one_weight()
+    state = _saving.kept_gradients_state(model)
+    assert model._kept_gradients is state
+    assert repr(state) == "<kept gradients of model 'net'>"
+    assert one_weight(name="other")._kept_gradients is not state
