@@ -341,8 +341,7 @@ class _PerLayerMixin:
         return tuple(f"{self.name}/{layer}" for layer in layers)
 
     def _per_layer(self, groups, measure):
-        if not self.per_layer:
-            raise AssertionError("only for per_layer=True")
+        """`{name/<layer>: measure(that layer's items)}`."""
         return {f"{self.name}/{layer}": measure(ts) for layer, ts in groups.items()}
 
 
@@ -379,7 +378,7 @@ class GradientNorm(_PerLayerMixin, GradientMetric):
     """
 
     def __init__(self, per_layer=False, name="grad_norm", reduction="mean", **kwargs):
-        self.per_layer = _compat_bool("per_layer", per_layer)
+        self.per_layer = _check_bool("per_layer", per_layer)
         super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
 
     def _step_values(self, grads):
@@ -500,12 +499,13 @@ class UpdateRatio(_PerLayerMixin, GradientMetric):
     from the previous step, which costs one model's worth of memory, and
     compares. A rule of thumb reads ratios around `1e-3` as healthy.
 
-    Caveats, by construction: a ratio is 0 where the weights before were all
-    zero. Anything else that changes the weights between two training steps
-    (e.g. `set_weights`) counts as part of the next update. The copies are
-    first taken when the training function is traced, i.e. before the first
-    step; under `run_eagerly=True` that happens after the first update, so
-    that first step is not counted.
+    The copies are first taken when `fit` (or `train_on_batch`) builds the
+    training function, before its first step. Caveats, by construction: a
+    ratio is 0 where the weights before were all zero; anything else that
+    changes the weights between two training steps (e.g. `set_weights`)
+    counts as part of the next update; and a step that finds no copy from
+    before its update (only when `train_step` is run eagerly by hand) is
+    not counted.
 
     Args:
         per_layer: Bool. One value per layer instead of one global value.
@@ -527,7 +527,7 @@ class UpdateRatio(_PerLayerMixin, GradientMetric):
     """
 
     def __init__(self, per_layer=False, name="update_ratio", reduction="mean", **kwargs):
-        self.per_layer = _compat_bool("per_layer", per_layer)
+        self.per_layer = _check_bool("per_layer", per_layer)
         super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
         self._copies = _Holder()
         self._counted = self.add_variable(
@@ -598,7 +598,7 @@ class UpdateRatio(_PerLayerMixin, GradientMetric):
         return config
 
 
-def _compat_bool(name, value):
+def _check_bool(name, value):
     if not isinstance(value, bool):
         raise TypeError(
             f"`{name}` must be a bool (True or False). Received: "
