@@ -55,16 +55,10 @@ from keras.src.saving.keras_saveable import KerasSaveable
 from keras_keepgrad import _keeper
 
 __all__ = [
-    "ATTRIBUTE",
     "KeptGradientsState",
     "gradient_key",
     "kept_gradients_state",
 ]
-
-# The model attribute Keras's saving walks; also the name of the group that
-# holds the gradients in the weights file.
-ATTRIBUTE = "_kept_gradients"
-
 
 def gradient_key(index, path):
     """The dataset name of a variable's saved gradient.
