@@ -38,16 +38,21 @@ def one_weight_model(**options):
 def h5_arrays(path):
     """Every dataset in an .h5 file, by its path."""
     found = {}
+
+    def visit(name, obj):
+        if isinstance(obj, h5py.Dataset):
+            found[name] = obj[()]
+
     with h5py.File(path, "r") as f:
-        f.visititems(lambda name, obj: found.setdefault(name, obj[()])
-                     if isinstance(obj, h5py.Dataset) else None)
+        f.visititems(visit)
     return found
 
 
 # %% [markdown]
 # ## Default: gradients are not saved
 # One SGD(0.1) step on the one-weight model: kept gradient `5w = 15`, new
-# weight `1.5`. The weights file holds the one kernel and nothing else.
+# weight `1.5`. The weights file holds the kernel and the optimizer's two
+# scalars (iteration count and learning rate), and no gradient.
 
 # %%
 model = one_weight_model()
@@ -57,7 +62,9 @@ print("kept:", model.gradients["dense_0"]["kernel"].numpy().tolist())
 model.save_weights(os.path.join(workdir, "kept.weights.h5"))
 arrays = h5_arrays(os.path.join(workdir, "kept.weights.h5"))
 print("arrays in the weights file:", {k: v.tolist() for k, v in arrays.items()})
-assert [v.tolist() for v in arrays.values()] == [[[1.5]]]
+assert arrays["layers/dense/vars/0"].tolist() == [[1.5]]
+assert sorted(v.tolist() for v in arrays.values() if v.ndim == 0) == [0.10000000149011612, 1]
+assert len(arrays) == 3 and not [k for k in arrays if "grad" in k]
 
 # %% [markdown]
 # The same file loads into a plain `keras.Model`, and back.
