@@ -35,8 +35,29 @@ def layer_of(path):
     return head if sep else path
 
 
+def _squares(grad, dtype):
+    return tf.reduce_sum(tf.square(tf.cast(grad, dtype)))
+
+
+@tf.function(autograph=False)
 def _sum_squares(grads):
-    return tf.stack([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in grads])
+    """float64 `[len(grads)]`: each gradient's sum of squares.
+
+    One dispatch for all variables (per-variable eager ops would cost more
+    than the reductions), module-level so that every callback on the same
+    model reuses one trace. Summed in float32 (float64 gradients in float64);
+    only if that overflows or meets a NaN or inf, everything is summed again
+    in float64, where a sum is non-finite exactly when an element is (up to
+    float64 gradients above ~1e154).
+    """
+    fast = tf.stack(
+        [_squares(g, tf.float64 if g.dtype == tf.float64 else tf.float32) for g in grads]
+    )
+    return tf.cond(
+        tf.reduce_all(tf.math.is_finite(fast)),
+        lambda: tf.cast(fast, tf.float64),
+        lambda: tf.stack([_squares(g, tf.float64) for g in grads]),
+    )
 
 
 class StepNorms:
@@ -81,27 +102,15 @@ class GradientNorms:
         self._layer_index = np.array(
             [layers[layer_of(p)] for p in self.paths], dtype=np.int64
         )
-        # One dispatch for all variables: eager per-variable ops would cost
-        # more than the reductions themselves on small models.
-        self._sum_squares = tf.function(_sum_squares, autograph=False)
 
     def __call__(self, grads_by_path):
         """Returns the `StepNorms` of `{path: dense gradient}`."""
         tensors = [grads_by_path[p] for p in self.paths]
         if tensors:
-            squares = self._sum_squares(tensors).numpy().astype(np.float64)
+            squares = _sum_squares(tensors).numpy()
         else:
             squares = np.zeros((0,), np.float64)
-        var_nonfinite = np.zeros(len(tensors), bool)
-        for i in np.flatnonzero(~np.isfinite(squares)):
-            # A float32 sum of squares overflows above ~1.8e19 even when every
-            # element is finite: check the elements, recount in float64.
-            values = np.asarray(tensors[i].numpy(), dtype=np.float64)
-            if np.isfinite(values).all():
-                squares[i] = np.sum(np.square(values))
-            else:
-                var_nonfinite[i] = True
-                squares[i] = np.nan if np.isnan(values).any() else np.inf
+        var_nonfinite = ~np.isfinite(squares)
         n_layers = len(self.layers)
         layer_squares = np.zeros(n_layers, np.float64)
         np.add.at(layer_squares, self._layer_index, squares)

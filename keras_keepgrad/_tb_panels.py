@@ -76,6 +76,43 @@ def write_layout(loss_scaled):
     return True
 
 
+class ScalarWriter:
+    """Writes a fixed list of scalar tags, one value each, at a step.
+
+    With `traced=True` one `tf.function` writes them all (traced on first
+    use, about 4x cheaper per step than eager `tf.summary.scalar` calls):
+    for frequent writes. The step is a tensor argument, so it is not frozen
+    at trace time; `record_if(True)` overrides the condition Keras's
+    TensorBoard sets for an integer `update_freq`, which counts executions,
+    not batches.
+
+    Args:
+        writer: The `tf.summary` writer.
+        tags: The tags, in the order `write` receives the values.
+        traced: Bool. Write through one `tf.function`.
+    """
+
+    def __init__(self, writer, tags, traced):
+        self.writer = writer
+        self.tags = tuple(tags)
+        self.traced = traced
+        self._function = None
+
+    def _write_all(self, values, step):
+        with self.writer.as_default(step=step), tf.summary.record_if(True):
+            for i, tag in enumerate(self.tags):
+                tf.summary.scalar(tag, values[i])
+
+    def write(self, step, values):
+        values = np.asarray(values, dtype=np.float32)
+        if not self.traced:
+            self._write_all(values, step)
+            return
+        if self._function is None:
+            self._function = tf.function(self._write_all, autograph=False)
+        self._function(tf.constant(values), tf.constant(step, dtype=tf.int64))
+
+
 def finite_values(grad):
     """The finite entries of `grad`, flat (histograms of NaN are all NaN)."""
     values = tf.reshape(grad, [-1])

@@ -183,6 +183,15 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             if self._count_skipped
             else 0
         )
+        tags = [_tb_panels.layer_norm_tag(layer) for layer in self._norms.layers]
+        tags += [_tb_panels.GLOBAL_NORM_TAG, _tb_panels.NONFINITE_TAG]
+        if self._loss_scaled:
+            tags.append(_tb_panels.LOSS_SCALE_TAG)
+        if self._count_skipped:
+            tags.append(_tb_panels.SKIPPED_STEPS_TAG)
+        self._scalars = _tb_panels.ScalarWriter(
+            self._train_writer, tags, traced=self.update_freq != "epoch"
+        )
         if not self._layout_written:
             self._guarded(self._write_layout)
             self._layout_written = True
@@ -241,28 +250,14 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
     def _record(self):
         step = self._steps.step
         norms = self._norms(self.model.get_gradients_by_path())
+        values = list(norms.layer_norms) + [norms.global_norm, float(norms.nonfinite)]
         optimizer = self.model.optimizer
-        # Keras's own `record_if` (active for an integer `update_freq`)
-        # counts executions, not batches: do not let it drop these.
-        with self._train_writer.as_default(), tf.summary.record_if(True):
-            for layer, value in zip(self._norms.layers, norms.layer_norms):
-                tf.summary.scalar(_tb_panels.layer_norm_tag(layer), value, step=step)
-            tf.summary.scalar(_tb_panels.GLOBAL_NORM_TAG, norms.global_norm, step=step)
-            tf.summary.scalar(_tb_panels.NONFINITE_TAG, float(norms.nonfinite), step=step)
-            if self._loss_scaled:
-                tf.summary.scalar(
-                    _tb_panels.LOSS_SCALE_TAG,
-                    _grad_stats.loss_scale_of(optimizer),
-                    step=step,
-                )
-            if self._count_skipped:
-                applied = (
-                    int(optimizer.iterations.numpy())
-                    - self._iterations_at_begin
-                )
-                tf.summary.scalar(
-                    _tb_panels.SKIPPED_STEPS_TAG, float(step - applied), step=step
-                )
+        if self._loss_scaled:
+            values.append(_grad_stats.loss_scale_of(optimizer))
+        if self._count_skipped:
+            applied = int(optimizer.iterations.numpy()) - self._iterations_at_begin
+            values.append(step - applied)
+        self._scalars.write(step, values)
         self._heatmap.add(step, norms.layer_norms)
 
     def _write_histograms(self, epoch):
