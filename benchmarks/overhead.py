@@ -1,0 +1,621 @@
+"""What keeping gradients costs, measured against plain Keras.
+
+Paired, interleaved rounds in one process: every round times the same number
+of training steps of each variant below, in an order rotated by one each
+round, so that slow drifts of a shared machine hit every variant alike. Each
+variant's time is divided by that round's plain `keras.Model` time; the
+table reports the median of these per-round ratios and their interquartile
+range (IQR), and the "overhead beyond control": the median over rounds of
+`ratio(variant) - ratio(control)`, where the control is a second, identical
+plain `keras.Model` (its ratio is 1 up to noise and order effects).
+
+Variants (all with the same initial weights, `Adam`, the same batch):
+
+- `plain`: `keras.Model`.
+- `control`: a second `keras.Model`, the noise control.
+- `kept`: `kg.KeepGradModel` (keeps every step).
+- `every10`: `kg.KeepGradModel(..., keep_every=10)`.
+- `hand`: a hand-written custom `train_step` that assigns each gradient to a
+  `tf.Variable` (what a user can write without this library).
+- `recompute`: a plain model plus a callback that recomputes the gradients
+  with a separate `tf.GradientTape` forward and backward pass per batch (in
+  a `tf.function`), as `WandbCallback(log_gradients=True)`-style logging does.
+
+Steps run through `model.train_function` on a pre-made iterator over a
+repeated batch, after a warm-up `fit`, so tracing and XLA compilation are
+excluded; the recompute callback is called after each step as `fit` calls
+it. Also reported: the op counts of the traced `train_step` graphs of a plain
+model, a `KeepGradModel(keep_gradients=False)` and a `KeepGradModel`, and the
+peak RSS of separate subprocesses training a plain and a kept model.
+
+Usage:
+
+```shell
+python benchmarks/overhead.py            # full: 100 rounds, about 15 min
+python benchmarks/overhead.py --quick    # under 3 minutes on 2 cores
+python benchmarks/overhead.py --smoke    # tiny models, 2 rounds (tests)
+```
+
+Results are printed as Markdown tables and written as JSON to
+`benchmarks/results/overhead-<mode>.json` (or `--out`).
+"""
+
+import argparse
+import collections
+import datetime
+import gc
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_keepgrad as kg  # noqa: E402
+
+VARIANTS = ("plain", "control", "kept", "every10", "hand", "recompute")
+
+# Median overhead beyond the control that keeping may cost (issue 7).
+TARGETS = {"mlp_1m": 0.02, "conv": 0.02, "mlp_10m": 0.03, "embedding": 0.03}
+RECOMPUTE_FACTOR = 10.0
+
+MODES = {
+    # rounds, seconds per variant per round, memory pairs, memory models
+    "full": dict(rounds=100, round_seconds=0.12, memory_pairs=3,
+                 memory_models=("mlp_10m", "embedding")),
+    # Quick: only the variants the targets need (each one is built, traced
+    # and XLA-compiled per config, which dominates a short run).
+    "quick": dict(rounds=10, round_seconds=0.04, memory_pairs=1,
+                  memory_models=("mlp_10m",),
+                  variants=("plain", "control", "kept", "recompute")),
+    "smoke": dict(rounds=2, round_seconds=0.0, memory_pairs=1,
+                  memory_models=("mlp_1m",)),
+}
+
+
+# --- models ------------------------------------------------------------
+
+
+def _mlp(width_in, hidden, classes):
+    def build():
+        inputs = keras.Input((width_in,))
+        h = inputs
+        for i, units in enumerate(hidden):
+            h = keras.layers.Dense(units, activation="relu", name=f"dense_{i}")(h)
+        return inputs, keras.layers.Dense(classes, name="logits")(h)
+
+    return build
+
+
+def _conv(size, filters, dense):
+    def build():
+        inputs = keras.Input((size, size, 3))
+        h = inputs
+        for i, f in enumerate(filters):
+            h = keras.layers.Conv2D(f, 3, activation="relu", name=f"conv_{i}")(h)
+            h = keras.layers.MaxPooling2D(name=f"pool_{i}")(h)
+        h = keras.layers.Flatten()(h)
+        h = keras.layers.Dense(dense, activation="relu", name="dense")(h)
+        return inputs, keras.layers.Dense(10, name="logits")(h)
+
+    return build
+
+
+def _embedding(vocab, dim, length):
+    def build():
+        inputs = keras.Input((length,), dtype="int32")
+        h = keras.layers.Embedding(vocab, dim, name="embedding")(inputs)
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        h = keras.layers.Dense(64, activation="relu", name="dense")(h)
+        return inputs, keras.layers.Dense(10, name="logits")(h)
+
+    return build
+
+
+def model_specs(smoke):
+    """`{name: (build, batch_size, make_x)}`; `make_x(rng, batch)` -> x."""
+    if smoke:
+        return {
+            "mlp_1m": (_mlp(16, [32], 10), 8, lambda r, b: r.random((b, 16), "float32")),
+            "embedding": (
+                _embedding(100, 4, 5),
+                8,
+                lambda r, b: r.integers(0, 100, (b, 5)).astype("int32"),
+            ),
+        }
+    return {
+        # 512*1024 + 1024*512 + 512*10 (+ biases) = 1.06M parameters.
+        "mlp_1m": (_mlp(512, [1024, 512], 10), 128,
+                   lambda r, b: r.random((b, 512), "float32")),
+        # 1024*2048 + 2*2048*2048 + 2048*10 (+ biases) = 10.5M parameters.
+        "mlp_10m": (_mlp(1024, [2048, 2048, 2048], 10), 128,
+                    lambda r, b: r.random((b, 1024), "float32")),
+        # CIFAR-sized: conv 32, conv 64, dense 128: 0.32M parameters.
+        "conv": (_conv(32, [32, 64], 128), 64,
+                 lambda r, b: r.random((b, 32, 32, 3), "float32")),
+        # Embedding(50_000, 64): 3.2M parameters, sparse gradient of
+        # batch * length = 4096 rows.
+        "embedding": (_embedding(50_000, 64, 64), 64,
+                      lambda r, b: r.integers(0, 50_000, (b, 64)).astype("int32")),
+    }
+
+
+class _Holder:
+    """Holds slot variables out of sight of Keras's attribute tracking."""
+
+    def __init__(self, items):
+        self.items = items
+
+
+class HandKeptModel(keras.Model):
+    """The best a user writes by hand: a `train_step` that keeps gradients.
+
+    As the Keras guide "Customizing what happens in fit()" writes a
+    `train_step`, plus one `assign` per variable into a `tf.Variable` made
+    beforehand (sparse gradients densified, as `tf.Variable.assign` needs).
+    """
+
+    def make_slots(self):
+        self._hand_slots = _Holder(
+            [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
+             for v in self.trainable_variables]
+        )
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight
+            )
+        variables = self.trainable_variables
+        grads = tape.gradient(loss, variables)
+        for slot, grad in zip(self._hand_slots.items, grads):
+            slot.assign(tf.convert_to_tensor(grad))
+        self.optimizer.apply(grads, variables)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred, sample_weight=sample_weight)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class RecomputeGradients(keras.callbacks.Callback):
+    """Recomputes the batch's gradients after each step, in a `tf.function`.
+
+    A separate forward and backward pass, as gradient-logging callbacks
+    (`WandbCallback(log_gradients=True)` and the like) do today.
+    """
+
+    def __init__(self, batch, loss_fn, jit_compile):
+        super().__init__()
+        self.batch = batch
+        self.loss_fn = loss_fn
+        self.jit_compile = jit_compile
+        self.gradients = None
+        self._fn = None
+
+    def _grads(self, x, y):
+        with tf.GradientTape() as tape:
+            loss = self.loss_fn(y, self.model(x, training=True))
+        return tape.gradient(loss, self.model.trainable_variables)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._fn is None:
+            self._fn = tf.function(self._grads, jit_compile=self.jit_compile)
+        self.gradients = self._fn(*self.batch)
+
+
+def _loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def make_variant(variant, build, batch, jit_compile, weights=None):
+    """A compiled variant, fitted for 2 steps: `(model, iterator, callback)`.
+
+    `weights` (from `get_weights()`) gives every variant the same start.
+    Call `warm_up` on all variants only after building the last one:
+    building may seed, and `tf.random.set_seed` clears TensorFlow's kernel
+    caches, which would put a first-call cost into the timed rounds.
+    """
+    inputs, outputs = build()
+    if variant in ("plain", "control", "recompute"):
+        model = keras.Model(inputs, outputs)
+    elif variant == "kept":
+        model = kg.KeepGradModel(inputs, outputs)
+    elif variant == "every10":
+        model = kg.KeepGradModel(inputs, outputs, keep_every=10)
+    elif variant == "off":
+        model = kg.KeepGradModel(inputs, outputs, keep_gradients=False)
+    elif variant == "hand":
+        model = HandKeptModel(inputs, outputs)
+        model.make_slots()
+    else:
+        raise ValueError(f"Unknown variant: {variant!r}")
+    if weights is not None:
+        model.set_weights(weights)
+    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss=_loss(),
+                  jit_compile=jit_compile)
+    callback = None
+    if variant == "recompute":
+        callback = RecomputeGradients(batch, _loss(), jit_compile)
+    dataset = tf.data.Dataset.from_tensors(batch).repeat()
+    model.fit(dataset, steps_per_epoch=2, epochs=1, verbose=0, shuffle=False,
+              callbacks=[callback] if callback else None)
+    # The iterator type `fit` uses, so `train_function` is not retraced.
+    iterator = iter(model.distribute_strategy.experimental_distribute_dataset(dataset))
+    return model, iterator, callback
+
+
+def warm_up(model, iterator, callback):
+    """Traces `train_function` for this iterator type, outside the timing."""
+    run_steps(model, iterator, callback, 3)
+
+
+def run_steps(model, iterator, callback, steps):
+    """Seconds for `steps` training steps (callback after each, as `fit`)."""
+    train_function = model.train_function
+    start = time.perf_counter()
+    for step in range(steps):
+        logs = train_function(iterator)
+        if callback is not None:
+            callback.on_train_batch_end(step, logs)
+    float(logs["loss"])  # the step's outputs exist: it has finished
+    return time.perf_counter() - start
+
+
+# --- statistics ----------------------------------------------------------
+
+
+def _summary(values):
+    q25, median, q75 = np.percentile(np.asarray(values, dtype="float64"), [25, 50, 75])
+    return {"median": float(median), "q25": float(q25), "q75": float(q75)}
+
+
+def summarize(times):
+    """Per-round ratios against `plain` and overhead beyond `control`."""
+    plain = np.asarray(times["plain"])
+    control = np.asarray(times["control"]) / plain
+    out = {"step_ms": {}, "ratio": {}, "beyond_control": {}}
+    for variant, seconds in times.items():
+        ratio = np.asarray(seconds) / plain
+        out["ratio"][variant] = _summary(ratio)
+        out["beyond_control"][variant] = _summary(ratio - control)
+    return out
+
+
+def time_config(name, spec, jit_compile, mode, variants, log):
+    build, batch_size, make_x = spec
+    rng = np.random.default_rng(0)
+    x = make_x(rng, batch_size)
+    y = rng.integers(0, 10, (batch_size,)).astype("int32")
+    batch = (tf.constant(x), tf.constant(y))
+    entries = {}
+    t0 = time.perf_counter()
+    keras.utils.set_random_seed(0)
+    weights = keras.Model(*build()).get_weights()
+    for variant in variants:
+        entries[variant] = make_variant(variant, build, batch, jit_compile, weights)
+    for entry in entries.values():
+        warm_up(*entry)
+    params = int(sum(np.prod(v.shape) for v in entries["plain"][0].trainable_variables))
+    # Steps per round: about `round_seconds` of plain training.
+    one = min(run_steps(*entries["plain"], 3) / 3 for _ in range(2))
+    steps = max(1, int(round(mode["round_seconds"] / one)))
+    log(f"  {name} jit={jit_compile}: {params:,} params, built in "
+        f"{time.perf_counter() - t0:.1f}s, {one * 1e3:.2f} ms/step, {steps} steps/round")
+    times = {v: [] for v in variants}
+    order = list(variants)
+    for r in range(mode["rounds"]):
+        rotated = order[r % len(order):] + order[: r % len(order)]
+        gc.collect()
+        gc.disable()
+        try:
+            for variant in rotated:
+                times[variant].append(run_steps(*entries[variant], steps) / steps)
+        finally:
+            gc.enable()
+    result = {
+        "model": name,
+        "jit_compile": jit_compile,
+        "params": params,
+        "param_mb": params * 4 / 2**20,
+        "batch_size": batch_size,
+        "steps_per_round": steps,
+        "rounds": mode["rounds"],
+        "seconds_per_step": {v: [float(t) for t in ts] for v, ts in times.items()},
+    }
+    result.update(summarize(times))
+    result["step_ms"] = {v: float(np.median(ts) * 1e3) for v, ts in times.items()}
+    result["target"] = TARGETS.get(name)
+    result["meets_target"] = result["recompute_over_kept"] = None
+    result["meets_recompute_factor"] = None
+    if "kept" in times:
+        kept = result["beyond_control"]["kept"]["median"]
+        if result["target"] is not None:
+            result["meets_target"] = bool(kept <= result["target"])
+        if "recompute" in times:
+            recompute = result["beyond_control"]["recompute"]["median"]
+            # None: keeping measured no slower than the control.
+            result["recompute_over_kept"] = float(recompute / kept) if kept > 0 else None
+            result["meets_recompute_factor"] = bool(
+                kept <= 0 or recompute >= RECOMPUTE_FACTOR * kept
+            )
+    del entries
+    keras.backend.clear_session()
+    gc.collect()
+    return result
+
+
+# --- op counts -------------------------------------------------------------
+
+
+def op_counts(name, spec):
+    """Ops in the traced `train_step` graph: plain, keep off, keep on."""
+    build, batch_size, make_x = spec
+    rng = np.random.default_rng(0)
+    x = make_x(rng, batch_size)
+    y = rng.integers(0, 10, (batch_size,)).astype("int32")
+    batch = (tf.constant(x), tf.constant(y))
+    data_spec = (tf.TensorSpec(x.shape, x.dtype), tf.TensorSpec(y.shape, y.dtype))
+    counts = {}
+    keras.utils.set_random_seed(0)
+    for variant in ("plain", "off", "kept"):
+        model = make_variant(variant, build, batch, jit_compile=False)[0]
+        graph = tf.function(model.train_step).get_concrete_function(data_spec).graph
+        counts[variant] = collections.Counter(op.type for op in graph.get_operations())
+    keras.backend.clear_session()
+    extra = counts["kept"] - counts["plain"]
+    return {
+        "model": name,
+        "plain": sum(counts["plain"].values()),
+        "off": sum(counts["off"].values()),
+        "kept": sum(counts["kept"].values()),
+        "off_equals_plain": counts["off"] == counts["plain"],
+        "kept_extra_ops": dict(sorted(extra.items())),
+        "kept_missing_ops": dict(sorted((counts["plain"] - counts["kept"]).items())),
+    }
+
+
+# --- memory --------------------------------------------------------------
+
+
+def _peak_rss_bytes():
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_child(name, variant, smoke, steps):
+    """Runs in a subprocess: train one model, print its peak RSS as JSON."""
+    build, batch_size, make_x = model_specs(smoke)[name]
+    rng = np.random.default_rng(0)
+    batch = (tf.constant(make_x(rng, batch_size)),
+             tf.constant(rng.integers(0, 10, (batch_size,)).astype("int32")))
+    keras.utils.set_random_seed(0)
+    model, iterator, callback = make_variant(variant, build, batch, jit_compile=False)
+    run_steps(model, iterator, callback, steps)
+    params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
+    print(json.dumps({"peak_rss": _peak_rss_bytes(), "params": params}))
+
+
+def measure_memory(name, pairs, smoke, log):
+    """Peak RSS of fresh processes training `plain` and `kept`, alternated."""
+    peaks = {"plain": [], "kept": []}
+    params = None
+    for _ in range(pairs):
+        # Both of a pair at once: peak RSS does not depend on the timing.
+        children = {}
+        for variant in ("plain", "kept"):
+            cmd = [sys.executable, os.path.abspath(__file__), "--memory-child",
+                   name, variant, "--steps", "20"]
+            if smoke:
+                cmd.append("--smoke")
+            children[variant] = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        for variant, child in children.items():
+            stdout, stderr = child.communicate()
+            if child.returncode:
+                raise RuntimeError(f"memory child {name}/{variant} failed:\n{stderr}")
+            record = json.loads(stdout.strip().splitlines()[-1])
+            peaks[variant].append(record["peak_rss"])
+            params = record["params"]
+    extra = float(np.median(peaks["kept"]) - np.median(peaks["plain"]))
+    result = {
+        "model": name,
+        "params": params,
+        "param_mb": params * 4 / 2**20,
+        "peak_rss_mb": {v: [p / 2**20 for p in ps] for v, ps in peaks.items()},
+        "extra_mb": extra / 2**20,
+    }
+    log(f"  memory {name}: extra peak RSS {result['extra_mb']:.1f} MB "
+        f"for {result['param_mb']:.1f} MB of parameters")
+    return result
+
+
+# --- report --------------------------------------------------------------
+
+
+def machine_state():
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f
+                       if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "loadavg": list(os.getloadavg()),
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def _pct(value):
+    return f"{value * 100:+.1f}%"
+
+
+def _iqr(s):
+    return f"{_pct(s['median'])} [{_pct(s['q25'])}, {_pct(s['q75'])}]"
+
+
+_TITLES = {"kept": "kept", "every10": "kept, keep_every=10",
+           "hand": "hand-written train_step", "recompute": "recompute in callback"}
+
+
+def markdown(results):
+    """The results as Markdown tables."""
+    shown = [v for v in results["variants"] if v in _TITLES]
+    lines = [
+        "| model | params | batch | jit | plain ms/step | control | "
+        + " | ".join(_TITLES[v] for v in shown) + " | recompute / kept | target |",
+        "|---" * (8 + len(shown)) + "|",
+    ]
+    for r in results["configs"]:
+        b = r["beyond_control"]
+        factor = r["recompute_over_kept"]
+        if factor is not None:
+            factor = f"{factor:.0f}x"
+        elif r["meets_recompute_factor"]:
+            factor = "inf (kept <= control)"
+        else:
+            factor = ""
+        target = "" if r["meets_target"] is None else (
+            f"<= {r['target'] * 100:.0f}%: " + ("met" if r["meets_target"] else "MISSED")
+        )
+        control = {k: v - 1 for k, v in r["ratio"]["control"].items()}
+        lines.append(
+            f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['batch_size']} | "
+            f"{'on' if r['jit_compile'] else 'off'} | {r['step_ms']['plain']:.2f} | "
+            f"{_iqr(control)} | " + " | ".join(_iqr(b[v]) for v in shown)
+            + f" | {factor} | {target} |"
+        )
+    lines.append("")
+    lines.append(
+        "Cells: median over rounds [IQR]. `control` is the second plain model's "
+        "time ratio to plain, minus 1; the other columns are overhead beyond the "
+        "control, median of per-round `ratio(variant) - ratio(control)`."
+    )
+    if results.get("op_counts"):
+        lines += ["", "| model | plain ops | keep_gradients=False ops | kept ops | "
+                  "off == plain | extra ops when kept |", "|---|---|---|---|---|---|"]
+        for o in results["op_counts"]:
+            extra = ", ".join(f"{k} x{v}" for k, v in o["kept_extra_ops"].items())
+            lines.append(f"| {o['model']} | {o['plain']} | {o['off']} | {o['kept']} | "
+                         f"{'yes' if o['off_equals_plain'] else 'NO'} | {extra} |")
+    if results.get("memory"):
+        lines += ["", "| model | parameter MB | plain peak RSS MB | kept peak RSS MB | "
+                  "extra MB |", "|---|---|---|---|---|"]
+        for m in results["memory"]:
+            plain = ", ".join(f"{p:.0f}" for p in m["peak_rss_mb"]["plain"])
+            kept = ", ".join(f"{p:.0f}" for p in m["peak_rss_mb"]["kept"])
+            lines.append(f"| {m['model']} | {m['param_mb']:.1f} | {plain} | {kept} | "
+                         f"{m['extra_mb']:+.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--quick", action="store_true", help="12 rounds, < 3 min")
+    group.add_argument("--smoke", action="store_true", help="tiny models, 2 rounds")
+    parser.add_argument("--rounds", type=int, help="override the number of rounds")
+    parser.add_argument("--models", nargs="+", help="only these models")
+    parser.add_argument("--jit", choices=("off", "on", "both"),
+                        help="jit_compile off, on or both; default both (smoke: off)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS,
+                        help="only these variants (plain and control always run)")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--no-ops", action="store_true")
+    parser.add_argument("--out", help="JSON path; default benchmarks/results/")
+    parser.add_argument("--memory-child", nargs=2, metavar=("MODEL", "VARIANT"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=20, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.memory_child:
+        memory_child(*args.memory_child, smoke=args.smoke, steps=args.steps)
+        return None
+
+    mode_name = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = dict(MODES[mode_name])
+    if args.rounds:
+        mode["rounds"] = args.rounds
+    variants = list(args.variants or mode.get("variants", VARIANTS))
+    variants = ["plain", "control"] + [v for v in variants if v not in ("plain", "control")]
+    specs = model_specs(args.smoke)
+    names = args.models or list(specs)
+    jit = args.jit or ("off" if args.smoke else "both")
+    jits = {"off": [False], "on": [True], "both": [False, True]}[jit]
+
+    # One trace per model and iterator type is expected; TensorFlow's
+    # "excessive retracing" warning counts them across models.
+    tf.get_logger().setLevel("ERROR")
+
+    def log(message):
+        print(message, file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
+    results = {
+        "mode": mode_name,
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine_before": machine_state(),
+        "variants": variants,
+        "configs": [],
+        "op_counts": [],
+        "memory": [],
+    }
+    log(f"mode={mode_name}, rounds={mode['rounds']}, load={os.getloadavg()}")
+    for name in names:
+        for jit_compile in jits:
+            results["configs"].append(
+                time_config(name, specs[name], jit_compile, mode, variants, log)
+            )
+    if not args.no_ops:
+        for name in names:
+            results["op_counts"].append(op_counts(name, specs[name]))
+    if not args.no_memory:
+        for name in mode["memory_models"]:
+            if name in specs:
+                results["memory"].append(
+                    measure_memory(name, mode["memory_pairs"], args.smoke, log)
+                )
+    results["machine_after"] = machine_state()
+    results["seconds"] = time.perf_counter() - started
+
+    table = markdown(results)
+    print(table)
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"overhead-{mode_name}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1)
+    log(f"wrote {out} in {results['seconds']:.0f}s; load now {os.getloadavg()}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
