@@ -265,15 +265,19 @@ def warm_up(model, iterator, callback):
 
 
 def run_steps(model, iterator, callback, steps):
-    """Seconds for `steps` training steps (callback after each, as `fit`)."""
+    """`(wall, cpu)` seconds of `steps` training steps (callback as in `fit`).
+
+    The CPU time is that of the whole process (all TensorFlow threads): less
+    disturbed than the wall time by other processes on a shared machine.
+    """
     train_function = model.train_function
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for step in range(steps):
         logs = train_function(iterator)
         if callback is not None:
             callback.on_train_batch_end(step, logs)
     float(logs["loss"])  # the step's outputs exist: it has finished
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - start_cpu
 
 
 # --- statistics ----------------------------------------------------------
@@ -285,10 +289,10 @@ def _summary(values):
 
 
 def summarize(times):
-    """Per-round ratios against `plain` and overhead beyond `control`."""
+    """Per-round ratios against `plain`, and overhead beyond `control`."""
     plain = np.asarray(times["plain"])
     control = np.asarray(times["control"]) / plain
-    out = {"step_ms": {}, "ratio": {}, "beyond_control": {}}
+    out = {"ratio": {}, "beyond_control": {}}
     for variant, seconds in times.items():
         ratio = np.asarray(seconds) / plain
         out["ratio"][variant] = _summary(ratio)
@@ -312,19 +316,21 @@ def time_config(name, spec, jit_compile, mode, variants, log):
         warm_up(*entry)
     params = int(sum(np.prod(v.shape) for v in entries["plain"][0].trainable_variables))
     # Steps per round: about `round_seconds` of plain training.
-    one = min(run_steps(*entries["plain"], 3) / 3 for _ in range(2))
+    one = min(run_steps(*entries["plain"], 3)[0] / 3 for _ in range(2))
     steps = max(1, int(round(mode["round_seconds"] / one)))
     log(f"  {name} jit={jit_compile}: {params:,} params, built in "
         f"{time.perf_counter() - t0:.1f}s, {one * 1e3:.2f} ms/step, {steps} steps/round")
-    times = {v: [] for v in variants}
-    order = list(variants)
+    wall = {v: [] for v in variants}
+    cpu = {v: [] for v in variants}
     for r in range(mode["rounds"]):
-        rotated = order[r % len(order):] + order[: r % len(order)]
+        shift = r % len(variants)
         gc.collect()
-        gc.disable()
+        gc.disable()  # no collection inside a timed block
         try:
-            for variant in rotated:
-                times[variant].append(run_steps(*entries[variant], steps) / steps)
+            for variant in variants[shift:] + variants[:shift]:
+                seconds, cpu_seconds = run_steps(*entries[variant], steps)
+                wall[variant].append(seconds / steps)
+                cpu[variant].append(cpu_seconds / steps)
         finally:
             gc.enable()
     result = {
@@ -335,18 +341,22 @@ def time_config(name, spec, jit_compile, mode, variants, log):
         "batch_size": batch_size,
         "steps_per_round": steps,
         "rounds": mode["rounds"],
-        "seconds_per_step": {v: [float(t) for t in ts] for v, ts in times.items()},
+        "step_ms": {v: float(np.median(ts) * 1e3) for v, ts in wall.items()},
+        "seconds_per_step": {v: [float(t) for t in ts] for v, ts in wall.items()},
+        "cpu_seconds_per_step": {v: [float(t) for t in ts] for v, ts in cpu.items()},
     }
-    result.update(summarize(times))
-    result["step_ms"] = {v: float(np.median(ts) * 1e3) for v, ts in times.items()}
+    result.update(summarize(wall))
+    cpu_summary = summarize(cpu)
+    result["cpu_ratio"] = cpu_summary["ratio"]
+    result["cpu_beyond_control"] = cpu_summary["beyond_control"]
     result["target"] = TARGETS.get(name)
     result["meets_target"] = result["recompute_over_kept"] = None
     result["meets_recompute_factor"] = None
-    if "kept" in times:
+    if "kept" in wall:
         kept = result["beyond_control"]["kept"]["median"]
         if result["target"] is not None:
             result["meets_target"] = bool(kept <= result["target"])
-        if "recompute" in times:
+        if "recompute" in wall:
             recompute = result["beyond_control"]["recompute"]["median"]
             # None: keeping measured no slower than the control.
             result["recompute_over_kept"] = float(recompute / kept) if kept > 0 else None
@@ -486,8 +496,7 @@ _TITLES = {"kept": "kept", "every10": "kept, keep_every=10",
            "hand": "hand-written train_step", "recompute": "recompute in callback"}
 
 
-def markdown(results):
-    """The results as Markdown tables."""
+def _timing_table(results, ratio_key, beyond_key):
     shown = [v for v in results["variants"] if v in _TITLES]
     lines = [
         "| model | params | batch | jit | plain ms/step | control | "
@@ -495,30 +504,39 @@ def markdown(results):
         "|---" * (8 + len(shown)) + "|",
     ]
     for r in results["configs"]:
-        b = r["beyond_control"]
-        factor = r["recompute_over_kept"]
-        if factor is not None:
-            factor = f"{factor:.0f}x"
-        elif r["meets_recompute_factor"]:
-            factor = "inf (kept <= control)"
-        else:
-            factor = ""
-        target = "" if r["meets_target"] is None else (
-            f"<= {r['target'] * 100:.0f}%: " + ("met" if r["meets_target"] else "MISSED")
-        )
-        control = {k: v - 1 for k, v in r["ratio"]["control"].items()}
+        beyond = r[beyond_key]
+        kept = beyond["kept"]["median"] if "kept" in beyond else None
+        factor = ""
+        if kept is not None and "recompute" in beyond:
+            recompute = beyond["recompute"]["median"]
+            factor = f"{recompute / kept:.0f}x" if kept > 0 else "inf (kept <= control)"
+        target = ""
+        if kept is not None and r["target"] is not None:
+            met = "met" if kept <= r["target"] else "MISSED"
+            target = f"<= {r['target'] * 100:.0f}%: {met}"
+        control = {k: v - 1 for k, v in r[ratio_key]["control"].items()}
         lines.append(
             f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['batch_size']} | "
             f"{'on' if r['jit_compile'] else 'off'} | {r['step_ms']['plain']:.2f} | "
-            f"{_iqr(control)} | " + " | ".join(_iqr(b[v]) for v in shown)
+            f"{_iqr(control)} | " + " | ".join(_iqr(beyond[v]) for v in shown)
             + f" | {factor} | {target} |"
         )
-    lines.append("")
-    lines.append(
-        "Cells: median over rounds [IQR]. `control` is the second plain model's "
-        "time ratio to plain, minus 1; the other columns are overhead beyond the "
-        "control, median of per-round `ratio(variant) - ratio(control)`."
-    )
+    return lines
+
+
+def markdown(results):
+    """The results as Markdown tables."""
+    lines = ["Wall time:", ""]
+    lines += _timing_table(results, "ratio", "beyond_control")
+    lines += ["", "Process CPU time (all threads):", ""]
+    lines += _timing_table(results, "cpu_ratio", "cpu_beyond_control")
+    lines += [
+        "",
+        "Cells: median over rounds [interquartile range]. `control`: the second "
+        "plain model's time over plain's, minus 1. Other columns: overhead "
+        "beyond the control, the median of per-round "
+        "`time(variant) / time(plain) - time(control) / time(plain)`.",
+    ]
     if results.get("op_counts"):
         lines += ["", "| model | plain ops | keep_gradients=False ops | kept ops | "
                   "off == plain | extra ops when kept |", "|---|---|---|---|---|---|"]

@@ -1,0 +1,73 @@
+"""`benchmarks/overhead.py --smoke` runs end to end and writes its JSON.
+
+Timings on a shared machine are noise at this size: only their presence and
+sign are asserted, never a ratio.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = ["plain", "control", "kept", "every10", "hand", "recompute"]
+STATS = {"median", "q25", "q75"}
+
+
+def test_overhead_smoke_writes_every_promised_number(tmp_path):
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "overhead.py"),
+         "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),  # the script finds the package itself
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| model | params | batch | jit |" in proc.stdout
+    results = json.loads(out.read_text())
+
+    assert results["mode"] == "smoke"
+    assert results["variants"] == VARIANTS
+    assert results["machine_before"]["cpu_count"] >= 1
+    assert len(results["machine_after"]["loadavg"]) == 3
+
+    configs = {(c["model"], c["jit_compile"]): c for c in results["configs"]}
+    assert set(configs) == {("mlp_1m", False), ("embedding", False)}
+    # Smoke sizes: Dense(16->32) + Dense(32->10) = 16*32+32 + 32*10+10 = 874;
+    # Embedding(100, 4) + Dense(4->64) + Dense(64->10) = 400 + 320 + 650.
+    assert configs["mlp_1m", False]["params"] == 874
+    assert configs["embedding", False]["params"] == 1370
+    for config in configs.values():
+        assert config["rounds"] == 2 and config["steps_per_round"] >= 1
+        for key in ("seconds_per_step", "cpu_seconds_per_step"):
+            assert set(config[key]) == set(VARIANTS)
+            for seconds in config[key].values():
+                assert len(seconds) == 2 and all(t > 0 for t in seconds)
+        assert all(config["step_ms"][v] > 0 for v in VARIANTS)
+        for key in ("ratio", "beyond_control", "cpu_ratio", "cpu_beyond_control"):
+            assert set(config[key]) == set(VARIANTS)
+            assert all(set(s) == STATS for s in config[key].values())
+        # The control against itself: ratio - ratio is exactly 0 per round.
+        assert config["beyond_control"]["control"] == dict.fromkeys(STATS, 0.0)
+        assert config["target"] in (0.02, 0.03)
+        assert isinstance(config["meets_target"], bool)
+
+    ops = {o["model"]: o for o in results["op_counts"]}
+    assert set(ops) == {"mlp_1m", "embedding"}
+    for o in ops.values():
+        assert o["off_equals_plain"] is True and o["off"] == o["plain"]
+        assert o["kept_missing_ops"] == {}
+    # One write per variable: 4 in the MLP; the embedding's sparse gradient
+    # is kept as values + indices, so 2 + 4 for its 5 variables.
+    assert ops["mlp_1m"]["kept_extra_ops"]["AssignVariableOp"] == 4
+    assert ops["embedding"]["kept_extra_ops"]["AssignVariableOp"] == 6
+
+    (memory,) = results["memory"]
+    assert memory["model"] == "mlp_1m" and memory["params"] == 874
+    for variant in ("plain", "kept"):
+        assert len(memory["peak_rss_mb"][variant]) == 1
+        assert memory["peak_rss_mb"][variant][0] > 0
+    assert isinstance(memory["extra_mb"], float)
