@@ -16,8 +16,6 @@ of the total loss, not of one output). The dict is empty while there is
 nothing to report (no training step since the last reset).
 """
 
-import types
-
 import keras
 import tensorflow as tf
 
@@ -614,7 +612,7 @@ def _gradient_metrics(model):
     for metric in model.metrics:
         # `CompileMetrics` holds the metrics passed to `compile`.
         for m in [metric, *getattr(metric, "metrics", ())]:
-            if isinstance(m, GradientMetric) and m not in found:
+            if isinstance(m, GradientMetric) and not any(m is f for f in found):
                 found.append(m)
     return found
 
