@@ -1,4 +1,4 @@
-"""What the gradient callbacks share: layer groups, norms, steps, checks.
+"""What the gradient callbacks share: layer groups, norms, steps, argument checks.
 
 Callbacks read the kept gradients between steps through
 `model.get_gradients_by_path()`; everything here works on that flat
@@ -16,12 +16,17 @@ import tensorflow as tf
 __all__ = [
     "GradientNorms",
     "StepCounter",
+    "check_bool",
     "check_frequency",
+    "check_non_negative_int",
+    "check_positive_float",
+    "check_positive_int",
     "check_writable_dir",
     "crossed",
     "layer_of",
     "loss_scale_of",
     "require_kept_gradients",
+    "trainable_paths",
 ]
 
 
@@ -36,7 +41,8 @@ def layer_of(path):
 
 
 def _squares(grad, dtype):
-    return tf.reduce_sum(tf.square(tf.cast(grad, dtype)))
+    # `l2_loss` (sum of squares / 2) is one fused kernel, no squared copy.
+    return 2.0 * tf.nn.l2_loss(tf.cast(grad, dtype))
 
 
 @tf.function(autograph=False)
@@ -45,7 +51,8 @@ def _sum_squares(grads):
 
     One dispatch for all variables (per-variable eager ops would cost more
     than the reductions), module-level so that every callback on the same
-    model reuses one trace. Summed in float32 (float64 gradients in float64);
+    model reuses one trace; `GradientNorms` calls its concrete function,
+    which skips the argument matching of each `tf.function` call. Summed in float32 (float64 gradients in float64);
     only if that overflows or meets a NaN or inf, everything is summed again
     in float64, where a sum is non-finite exactly when an element is (up to
     float64 gradients above ~1e154).
@@ -102,12 +109,16 @@ class GradientNorms:
         self._layer_index = np.array(
             [layers[layer_of(p)] for p in self.paths], dtype=np.int64
         )
+        self._concrete = None
 
     def __call__(self, grads_by_path):
         """Returns the `StepNorms` of `{path: dense gradient}`."""
         tensors = [grads_by_path[p] for p in self.paths]
         if tensors:
-            squares = _sum_squares(tensors).numpy()
+            if self._concrete is None:
+                # Variables keep their shapes: one signature per instance.
+                self._concrete = _sum_squares.get_concrete_function(tensors)
+            squares = self._concrete(tensors).numpy()
         else:
             squares = np.zeros((0,), np.float64)
         var_nonfinite = ~np.isfinite(squares)
@@ -229,3 +240,42 @@ def loss_scale_of(optimizer):
     factor = getattr(optimizer, "loss_scale_factor", None)
     return 1.0 if factor is None else float(factor)
 
+
+def check_non_negative_int(name, value):
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0:
+        return int(value)
+    raise ValueError(
+        f"`{name}` must be a non-negative int (0 disables it). Received: {name}={value!r}"
+    )
+
+
+def check_positive_int(name, value):
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}")
+
+
+def check_positive_float(name, value, above=0.0, or_none=True):
+    if value is None and or_none:
+        return None
+    if (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and np.isfinite(value)
+        and value > above
+    ):
+        return float(value)
+    none = " or None (off)" if or_none else ""
+    raise ValueError(
+        f"`{name}` must be a finite number above {above:g}{none}. Received: {name}={value!r}"
+    )
+
+
+def check_bool(name, value):
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+
+
+def trainable_paths(model):
+    return [v.path for v in model.trainable_variables]

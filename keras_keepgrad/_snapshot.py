@@ -1,0 +1,158 @@
+"""`GradientSnapshot`: the kept gradients as `.npz` files, written atomically.
+
+Conventions for steps and layers: see `keras_keepgrad.callbacks`.
+"""
+
+import os
+import uuid
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_keepgrad import _grad_stats
+
+__all__ = ["GradientSnapshot"]
+
+_RESERVED_KEYS = ("step", "epoch", "loss_scale")
+
+
+class GradientSnapshot(keras.callbacks.Callback):
+    """Writes the kept gradients to `.npz` files for offline analysis.
+
+    Each file holds one array per trainable variable, keyed by its path
+    (`"dense_0/kernel"`), as `model.get_gradients_by_path()` returns it
+    (bfloat16 is stored as float32, which NumPy can read), and three
+    scalars: `step` (training batches run in this `fit`), `epoch` (1-based,
+    as in the file name) and `loss_scale` (a `LossScaleOptimizer`'s dynamic
+    scale read after the step, else the optimizer's `loss_scale_factor`,
+    else 1.0; the gradients are already unscaled).
+
+    A file is never half-written: it is written to a temporary file in the
+    same directory, then renamed over the target. Without `{step}` or
+    `{epoch}` in `path`, each snapshot replaces the previous one. A write
+    that fails during `fit` is warned about and training goes on.
+
+    Args:
+        path: Str or path ending in `.npz`. May hold the fields `{step}`
+            and `{epoch}`, with format specs: `"grads/{step:06d}.npz"`.
+        every: `"epoch"` (the epoch's last batch) or a positive int (every
+            this many training batches). Defaults to `"epoch"`.
+
+    Raises:
+        ValueError: On an invalid `path` or `every`; when the directory of
+            `path` is not writable, or the model was built with
+            `keep_gradients=False` (both at the start of `fit`).
+        TypeError: The model is not a `KeepGradModel` (at the start of `fit`).
+
+    Example:
+
+    ```python
+    snapshot = kg.callbacks.GradientSnapshot("grads/{step:05d}.npz", every=100)
+    model.fit(x, y, epochs=3, callbacks=[snapshot])
+    data = np.load(snapshot.files[-1])
+    data["dense_0/kernel"], int(data["step"]), float(data["loss_scale"])
+    ```
+    """
+
+    def __init__(self, path, every="epoch"):
+        super().__init__()
+        self.path = os.fspath(path)
+        self.every = _grad_stats.check_frequency("every", every, allow_batch=False)
+        if not self.path.endswith(".npz"):
+            raise ValueError(
+                "`path` must end in '.npz' (e.g. 'grads/{step:06d}.npz'). "
+                f"Received: path={self.path!r}"
+            )
+        try:
+            self.path.format(step=0, epoch=1)
+        except (KeyError, IndexError, ValueError) as error:
+            raise ValueError(
+                "`path` may only hold the fields {step} and {epoch} (with "
+                f"format specs like {{step:06d}}). Received: path={self.path!r} "
+                f"({type(error).__name__}: {error})"
+            ) from error
+        self.files = []
+        self._steps = _grad_stats.StepCounter()
+        self._epoch = 0
+
+    def on_train_begin(self, logs=None):
+        _grad_stats.require_kept_gradients(self.model, "GradientSnapshot")
+        self._paths = _grad_stats.trainable_paths(self.model)
+        clashes = sorted(set(self._paths) & set(_RESERVED_KEYS))
+        if clashes:
+            raise ValueError(
+                f"GradientSnapshot stores {list(_RESERVED_KEYS)} beside the "
+                f"variable paths, but the model has variables named {clashes}. "
+                "Rename them."
+            )
+        directory = os.path.dirname(os.path.abspath(self.path.format(step=0, epoch=1)))
+        _grad_stats.check_writable_dir(directory, "path", self.path)
+        self._steps.begin_train()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._steps.begin_epoch()
+        self._epoch_first_step = self._steps.step
+
+    def on_train_batch_end(self, batch, logs=None):
+        previous = self._steps.end_batch(batch, self.params)
+        if self.every != "epoch" and _grad_stats.crossed(
+            previous, self._steps.step, self.every
+        ):
+            self._write()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.every == "epoch" and self._steps.step > self._epoch_first_step:
+            self._write()
+
+    def _write(self):
+        if not self._paths:
+            return
+        step = self._steps.step
+        filename = self.path.format(step=step, epoch=self._epoch + 1)
+        arrays = {}
+        for path, grad in self.model.get_gradients_by_path().items():
+            if grad.dtype == tf.bfloat16:
+                grad = tf.cast(grad, tf.float32)
+            arrays[path] = grad.numpy()
+        arrays["step"] = np.int64(step)
+        arrays["epoch"] = np.int64(self._epoch + 1)
+        arrays["loss_scale"] = np.float64(
+            _grad_stats.loss_scale_of(self.model.optimizer)
+        )
+        try:
+            _atomic_savez(filename, arrays)
+        except OSError as error:
+            warnings.warn(
+                f"GradientSnapshot could not write {filename!r}: {error}. "
+                "Training continues.",
+                stacklevel=2,
+            )
+            return
+        self.files.append(filename)
+
+
+def _atomic_savez(filename, arrays):
+    """`np.savez` to a temporary file beside `filename`, then rename."""
+    directory = os.path.dirname(os.path.abspath(filename))
+    os.makedirs(directory, exist_ok=True)
+    temporary = os.path.join(
+        directory, f".{os.path.basename(filename)}.{uuid.uuid4().hex[:12]}.tmp"
+    )
+    # `os.open` with 0o666 (not `mkstemp`'s 0o600): the final file gets the
+    # permissions a plain `np.savez` would give it.
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, filename)
+    except BaseException:
+        try:
+            os.remove(temporary)
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,226 @@
+"""`GradientTensorBoard`: Keras's TensorBoard plus the gradient panels.
+
+Conventions for steps and layers: see `keras_keepgrad.callbacks`.
+"""
+
+import os
+import warnings
+
+import keras
+import tensorflow as tf
+
+from keras_keepgrad import _grad_stats
+from keras_keepgrad import _tb_panels
+
+__all__ = ["GradientTensorBoard"]
+
+
+class GradientTensorBoard(keras.callbacks.TensorBoard):
+    """A `keras.callbacks.TensorBoard` that also draws the kept gradients.
+
+    Writes everything `keras.callbacks.TensorBoard` writes, and under
+    `log_dir/train`:
+
+    - `gradients/layer_norm/<layer>`: the L2 norm of each layer's gradients,
+      and `gradients/global_norm`, the norm over all of them; every
+      `update_freq` batches (with `"epoch"`: at each epoch end, from the
+      epoch's last batch), at the training-batch step.
+    - `gradients/nonfinite`: 1.0 where that step's gradients hold a NaN or
+      an infinity, else 0.0. Under a `keras.optimizers.LossScaleOptimizer`
+      also `gradients/skipped_steps` (the steps it skipped since `fit`
+      began) and `gradients/loss_scale`.
+    - `gradients/histogram/<variable path>`: histograms of the gradients of
+      the epoch's last batch (its finite values), every `histogram_freq`
+      epochs, at the epoch step, beside Keras's weight histograms.
+    - `gradients/heatmap`: at each epoch end, an image of log10 layer norms,
+      layers (rows, forward order) by recorded steps (columns), for the
+      whole run so far.
+    - A custom-scalars layout, "Gradient panels": per-layer norms in one
+      multiline chart, the global norm, non-finite and skipped steps (and
+      the loss scale under a `LossScaleOptimizer`).
+
+    Layers are variable paths minus their last component; see the module
+    docstring, also for steps under `steps_per_execution`.
+
+    Cost: with `update_freq="epoch"` the gradients are read once per epoch.
+    With an integer `update_freq` every recorded step reads all gradients
+    and writes one scalar per layer.
+
+    Args:
+        log_dir: Str or path. The directory to write to, as for
+            `keras.callbacks.TensorBoard`. Defaults to `"logs"`.
+        histogram_freq: Int. Write weight (Keras) and gradient histograms
+            every this many epochs; 0 writes none. Defaults to `0`.
+        update_freq: `"epoch"`, `"batch"` (= 1) or a positive int. When to
+            write Keras's batch metrics and the gradient norms. Defaults to
+            `"epoch"`.
+        write_heatmap: Bool. Write the heatmap image at each epoch end.
+            Defaults to `True`.
+        **kwargs: Passed on to `keras.callbacks.TensorBoard`
+            (`write_graph`, `write_images`, `profile_batch`, ...).
+
+    Raises:
+        ValueError: On an invalid `update_freq` or `histogram_freq`; when
+            `log_dir` is not writable, or the model was built with
+            `keep_gradients=False` (both at the start of `fit`).
+        TypeError: The model is not a `KeepGradModel` (at the start of `fit`).
+
+    Example:
+
+    ```python
+    model = kg.KeepGradModel(inputs, outputs)
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, epochs=5, callbacks=[
+        kg.callbacks.GradientTensorBoard("logs", update_freq=10,
+                                         histogram_freq=1)])
+    # tensorboard --logdir logs  ->  Custom Scalars: "Gradient panels"
+    ```
+    """
+
+    def __init__(
+        self,
+        log_dir="logs",
+        histogram_freq=0,
+        update_freq="epoch",
+        write_heatmap=True,
+        **kwargs,
+    ):
+        update_freq = _grad_stats.check_frequency("update_freq", update_freq)
+        histogram_freq = _grad_stats.check_non_negative_int("histogram_freq", histogram_freq)
+        super().__init__(
+            log_dir=log_dir,
+            histogram_freq=histogram_freq,
+            update_freq=update_freq,
+            **kwargs,
+        )
+        self.write_heatmap = _grad_stats.check_bool("write_heatmap", write_heatmap)
+        self._steps = _grad_stats.StepCounter()
+        self._norms = None
+        self._heatmap = None
+        self._layout_written = False
+        self._warned = False
+
+    def set_model(self, model):
+        # Fail at `fit`'s start with a clear message, not from the writer.
+        _grad_stats.check_writable_dir(
+            os.path.join(self.log_dir, "train"), "log_dir", self.log_dir
+        )
+        super().set_model(model)
+
+    def on_train_begin(self, logs=None):
+        _grad_stats.require_kept_gradients(self.model, "GradientTensorBoard")
+        super().on_train_begin(logs)
+        self._steps.begin_train()
+        self._norms = _grad_stats.GradientNorms(_grad_stats.trainable_paths(self.model))
+        self._heatmap = _tb_panels.Heatmap()
+        optimizer = self.model.optimizer
+        self._loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        # The inner optimizer's iterations only advance on applied steps; under
+        # gradient accumulation they count updates, not steps.
+        self._count_skipped = self._loss_scaled and not getattr(
+            optimizer.inner_optimizer, "gradient_accumulation_steps", None
+        )
+        self._iterations_at_begin = (
+            int(optimizer.iterations.numpy())
+            if self._count_skipped
+            else 0
+        )
+        tags = [_tb_panels.layer_norm_tag(layer) for layer in self._norms.layers]
+        tags += [_tb_panels.GLOBAL_NORM_TAG, _tb_panels.NONFINITE_TAG]
+        if self._loss_scaled:
+            tags.append(_tb_panels.LOSS_SCALE_TAG)
+        if self._count_skipped:
+            tags.append(_tb_panels.SKIPPED_STEPS_TAG)
+        self._scalars = _tb_panels.ScalarWriter(
+            self._train_writer, tags, traced=self.update_freq != "epoch"
+        )
+        if not self._layout_written:
+            self._guarded(self._write_layout)
+            self._layout_written = True
+
+    def on_epoch_begin(self, epoch, logs=None):
+        super().on_epoch_begin(epoch, logs)
+        self._steps.begin_epoch()
+        self._epoch_first_step = self._steps.step
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
+        previous = self._steps.end_batch(batch, self.params)
+        if self.update_freq != "epoch" and _grad_stats.crossed(
+            previous, self._steps.step, self.update_freq
+        ):
+            self._guarded(self._record)
+
+    def on_epoch_end(self, epoch, logs=None):
+        # Keras 3.15 leaves its batch-level `record_if` (counting executions)
+        # active here, so with an integer `update_freq` it silently drops the
+        # epoch metrics and weight histograms of some epochs.
+        with tf.summary.record_if(True):
+            super().on_epoch_end(epoch, logs)
+        if self._steps.step == 0:
+            return
+        if self.update_freq == "epoch" and self._steps.step > self._epoch_first_step:
+            self._guarded(self._record)
+        if not self._norms.paths:
+            return  # No trainable variables: no gradients to draw.
+        if self.histogram_freq and epoch % self.histogram_freq == 0:
+            self._guarded(self._write_histograms, epoch)
+        if self.write_heatmap and self._heatmap.columns:
+            self._guarded(self._write_heatmap, epoch)
+        self._guarded(self._train_writer.flush)
+
+    def _guarded(self, fn, *args):
+        # A TensorBoard problem is warned about once, never raised mid-`fit`.
+        try:
+            fn(*args)
+        except (tf.errors.OpError, OSError) as error:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"GradientTensorBoard could not write to {self.log_dir!r}: "
+                    f"{error}. Training continues without gradient summaries.",
+                    stacklevel=2,
+                )
+
+    def _write_layout(self):
+        with self._train_writer.as_default(), tf.summary.record_if(True):
+            if not _tb_panels.write_layout(self._loss_scaled):
+                warnings.warn(
+                    "The `tensorboard` package is not installed: "
+                    "GradientTensorBoard writes no custom-scalars layout.",
+                    stacklevel=3,
+                )
+
+    def _record(self):
+        if not self._norms.paths:
+            return
+        step = self._steps.step
+        norms = self._norms(self.model.get_gradients_by_path())
+        values = list(norms.layer_norms) + [norms.global_norm, float(norms.nonfinite)]
+        optimizer = self.model.optimizer
+        if self._loss_scaled:
+            values.append(_grad_stats.loss_scale_of(optimizer))
+        if self._count_skipped:
+            applied = int(optimizer.iterations.numpy()) - self._iterations_at_begin
+            values.append(step - applied)
+        self._scalars.write(step, values)
+        self._heatmap.add(step, norms.layer_norms)
+
+    def _write_histograms(self, epoch):
+        grads = self.model.get_gradients_by_path()
+        with self._train_writer.as_default(), tf.summary.record_if(True):
+            for path, grad in grads.items():
+                tf.summary.histogram(
+                    _tb_panels.histogram_tag(path),
+                    _tb_panels.finite_values(grad),
+                    step=epoch,
+                )
+
+    def _write_heatmap(self, epoch):
+        with self._train_writer.as_default(), tf.summary.record_if(True):
+            tf.summary.image(
+                _tb_panels.HEATMAP_TAG,
+                self._heatmap.image(),
+                step=epoch,
+                description=_tb_panels.HEATMAP_DESCRIPTION,
+            )
