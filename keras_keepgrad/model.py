@@ -1,5 +1,6 @@
 """`KeepGradModel` and `keep_gradients()`: what users call."""
 
+import types
 import warnings
 
 import keras
@@ -101,7 +102,10 @@ class KeepGradModel(keras.Model):
         self._save_gradients = save_gradients
         self._keep_every = keep_every
         self._keeper = None
-        self._data_spec = None
+        # One batch's spec, between `_maybe_symbolic_build` and
+        # `make_train_function`. Held in a namespace: a dict or tuple set on a
+        # Keras layer is wrapped by its tracker, which breaks dict outputs.
+        self._pending = types.SimpleNamespace(data_spec=None)
 
     @property
     def keep_gradients(self):
@@ -153,9 +157,9 @@ class KeepGradModel(keras.Model):
         # the training function is made: remember one batch's spec so the
         # slots can be shaped from a traced gradient computation.
         if iterator is not None:
-            self._data_spec = _compat.data_spec_from_epoch_iterator(iterator)
+            self._pending.data_spec = _compat.data_spec_from_epoch_iterator(iterator)
         elif data_batch is not None:
-            self._data_spec = tree.map_structure(
+            self._pending.data_spec = tree.map_structure(
                 lambda v: None if v is None else tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)),
                 data_batch,
             )
@@ -172,7 +176,7 @@ class KeepGradModel(keras.Model):
     def _build_slots(self):
         """Fresh zero slots, shaped and typed after a traced gradient step."""
         self._keeper = _keeper.GradientKeeper(sparse=not self.jit_compile)
-        spec, self._data_spec = self._data_spec, None
+        spec, self._pending.data_spec = self._pending.data_spec, None
         if spec is None:
             # No batch seen yet (e.g. `make_train_function()` called by
             # hand): the slots are created when the step is first traced.

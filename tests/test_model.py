@@ -569,3 +569,21 @@ def test_keep_every_writes_steps_1_3_5_and_holds_between(mode):
 def test_bad_keep_every_is_rejected(value):
     with pytest.raises(ValueError, match=r"`keep_every` must be a positive int.*Received: keep_every="):
         one_weight(keep_every=value)
+
+
+def test_dict_outputs_keep_each_heads_gradient():
+    inputs = keras.Input((1,))
+    outputs = {"a": dense_0(name="a")(inputs), "b": dense_0(name="b", w=1.0)(inputs)}
+    model = kg.KeepGradModel(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss={"a": "mse", "b": "mse"})
+    begin = {}
+
+    class AtBegin(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            begin.update(self.model.get_gradients_by_path())
+
+    model.fit(X, {"a": Y, "b": Y}, batch_size=2, verbose=0, callbacks=[AtBegin()])
+    assert {k: float(v[0, 0]) for k, v in begin.items()} == {"a/kernel": 0.0, "b/kernel": 0.0}
+    # Total loss = mse_a + mse_b: each head's gradient is its own 5w.
+    np.testing.assert_array_equal(model.gradients["a"]["kernel"], [[15.0]])
+    np.testing.assert_array_equal(model.gradients["b"]["kernel"], [[5.0]])
