@@ -9,5 +9,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KeepGradModel",
+    "callbacks",
     "keep_gradients",
+    "metrics",
 ]
