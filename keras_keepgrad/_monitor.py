@@ -23,7 +23,8 @@ class GradientMonitor(keras.callbacks.Callback):
     the last batch and reports:
 
     - non-finite gradients (NaN or inf), naming the affected layers in
-      forward order (the first one listed is the earliest layer hit);
+      forward order (the first listed is the earliest layer whose gradients
+      are not finite);
     - vanishing layers: a layer's gradient norm stayed below
       `vanishing_threshold` for `vanishing_steps` checks in a row;
     - explosions: the global gradient norm is above `exploding_threshold`,
@@ -65,6 +66,11 @@ class GradientMonitor(keras.callbacks.Callback):
             covers. Defaults to `100`.
         check_freq: Int. Check every this many training batches. Defaults to
             `1`.
+
+    Attributes:
+        events: List of dicts, one per report of the last `fit`: `kind`
+            (`"nonfinite"`, `"vanishing"` or `"exploding"`), `step`, `epoch`
+            (0-based), `layers` (names) and `message`.
 
     Raises:
         ValueError: On an invalid argument; when the model was built with
@@ -173,7 +179,10 @@ class GradientMonitor(keras.callbacks.Callback):
             scale = _grad_stats.loss_scale_of(optimizer)
             if scale >= self.min_loss_scale:
                 return  # The optimizer skipped the step and lowered its scale.
-            note = f" The loss scale fell to {scale:g}, below min_loss_scale={self.min_loss_scale:g}."
+            note = (
+                f" The loss scale fell to {scale:g}, below "
+                f"min_loss_scale={self.min_loss_scale:g}."
+            )
         if self._nonfinite_active:
             return
         self._nonfinite_active = True
@@ -213,7 +222,7 @@ class GradientMonitor(keras.callbacks.Callback):
             10, self.median_window
         ):
             median = float(np.median(self._recent))
-            if value > self.exploding_factor * median:
+            if median > 0 and value > self.exploding_factor * median:
                 reason = (
                     f"above exploding_factor={self.exploding_factor:g} times the "
                     f"median of the last {len(self._recent)} ({median:.4g})"

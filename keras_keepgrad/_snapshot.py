@@ -40,6 +40,10 @@ class GradientSnapshot(keras.callbacks.Callback):
         every: `"epoch"` (the epoch's last batch) or a positive int (every
             this many training batches). Defaults to `"epoch"`.
 
+    Attributes:
+        files: List of the file names written, in order (a name repeats
+            when each snapshot replaces the last).
+
     Raises:
         ValueError: On an invalid `path` or `every`; when the directory of
             `path` is not writable, or the model was built with
