@@ -1,13 +1,15 @@
 """What keeping gradients costs, measured against plain Keras.
 
-Paired, interleaved rounds in one process: every round times the same number
-of training steps of each variant below, in an order rotated by one each
-round, so that slow drifts of a shared machine hit every variant alike. Each
-variant's time is divided by that round's plain `keras.Model` time; the
-table reports the median of these per-round ratios and their interquartile
-range (IQR), and the "overhead beyond control": the median over rounds of
-`ratio(variant) - ratio(control)`, where the control is a second, identical
-plain `keras.Model` (its ratio is 1 up to noise and order effects).
+Paired, interleaved rounds in one process. A round makes 3 passes over the
+variants below, each pass in an order rotated by one, and each variant runs
+the same fixed number of training steps per pass; the variant's time in the
+round is its fastest pass (other processes on a shared machine only ever add
+time). Each variant's round time is divided by the plain `keras.Model`'s time
+of the same round; the tables report the median of these per-round ratios and
+their interquartile range (IQR) as the "overhead beyond control": the median
+over rounds of `ratio(variant) - ratio(control)`, where the control is a
+second, identical plain `keras.Model` (its ratio is 1 up to noise and order
+effects). Wall time is the measure; the process CPU time is reported too.
 
 Variants (all with the same initial weights, `Adam`, the same batch):
 
@@ -71,15 +73,17 @@ TARGETS = {"mlp_1m": 0.02, "conv": 0.02, "mlp_10m": 0.03, "embedding": 0.03}
 RECOMPUTE_FACTOR = 10.0
 
 MODES = {
-    # rounds, seconds per variant per round, memory pairs, memory models
-    "full": dict(rounds=100, round_seconds=0.12, memory_pairs=3,
-                 memory_models=("mlp_10m", "embedding")),
+    # Each round times `passes` interleaved passes over the variants, each
+    # variant running about `pass_seconds` of steps per pass.
+    "full": dict(rounds=100, passes=3, pass_seconds=0.04, memory_pairs=3,
+                 memory_models=("mlp_10m", "embedding"),
+                 memory_allocators=("mmap", "default")),
     # Quick: only the variants the targets need (each one is built, traced
     # and XLA-compiled per config, which dominates a short run).
-    "quick": dict(rounds=10, round_seconds=0.04, memory_pairs=1,
+    "quick": dict(rounds=10, passes=3, pass_seconds=0.02, memory_pairs=1,
                   memory_models=("mlp_10m",),
                   variants=("plain", "control", "kept", "recompute")),
-    "smoke": dict(rounds=2, round_seconds=0.0, memory_pairs=1,
+    "smoke": dict(rounds=2, passes=2, pass_seconds=0.0, memory_pairs=1,
                   memory_models=("mlp_1m",)),
 }
 
@@ -222,13 +226,10 @@ def _loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def make_variant(variant, build, batch, jit_compile, weights=None):
-    """A compiled variant, fitted for 2 steps: `(model, iterator, callback)`.
+def new_variant(variant, build, batch, jit_compile, weights=None):
+    """A compiled, untrained variant: `(model, callback or None)`.
 
     `weights` (from `get_weights()`) gives every variant the same start.
-    Call `warm_up` on all variants only after building the last one:
-    building may seed, and `tf.random.set_seed` clears TensorFlow's kernel
-    caches, which would put a first-call cost into the timed rounds.
     """
     inputs, outputs = build()
     if variant in ("plain", "control", "recompute"):
@@ -251,12 +252,28 @@ def make_variant(variant, build, batch, jit_compile, weights=None):
     callback = None
     if variant == "recompute":
         callback = RecomputeGradients(batch, _loss(), jit_compile)
+    return model, callback
+
+
+def fit_briefly(model, callback, batch):
+    """Two `fit` steps (which trace), then `(model, iterator, callback)`."""
     dataset = tf.data.Dataset.from_tensors(batch).repeat()
     model.fit(dataset, steps_per_epoch=2, epochs=1, verbose=0, shuffle=False,
               callbacks=[callback] if callback else None)
     # The iterator type `fit` uses, so `train_function` is not retraced.
     iterator = iter(model.distribute_strategy.experimental_distribute_dataset(dataset))
     return model, iterator, callback
+
+
+def make_variant(variant, build, batch, jit_compile, weights=None):
+    """A compiled variant, fitted for 2 steps: `(model, iterator, callback)`.
+
+    Call `warm_up` on all variants only after building the last one:
+    building may seed, and `tf.random.set_seed` clears TensorFlow's kernel
+    caches, which would put a first-call cost into the timed rounds.
+    """
+    model, callback = new_variant(variant, build, batch, jit_compile, weights)
+    return fit_briefly(model, callback, batch)
 
 
 def warm_up(model, iterator, callback):
@@ -315,34 +332,40 @@ def time_config(name, spec, jit_compile, mode, variants, log):
     for entry in entries.values():
         warm_up(*entry)
     params = int(sum(np.prod(v.shape) for v in entries["plain"][0].trainable_variables))
-    # Steps per round: about `round_seconds` of plain training.
+    # Steps per pass: about `pass_seconds` of plain training.
     one = min(run_steps(*entries["plain"], 3)[0] / 3 for _ in range(2))
-    steps = max(1, int(round(mode["round_seconds"] / one)))
+    steps = max(1, int(round(mode["pass_seconds"] / one)))
     log(f"  {name} jit={jit_compile}: {params:,} params, built in "
-        f"{time.perf_counter() - t0:.1f}s, {one * 1e3:.2f} ms/step, {steps} steps/round")
-    wall = {v: [] for v in variants}
-    cpu = {v: [] for v in variants}
+        f"{time.perf_counter() - t0:.1f}s, {one * 1e3:.2f} ms/step, {steps} steps/pass")
+    passes = mode["passes"]
+    raw = {v: np.zeros((mode["rounds"], passes, 2)) for v in variants}
     for r in range(mode["rounds"]):
-        shift = r % len(variants)
         gc.collect()
         gc.disable()  # no collection inside a timed block
         try:
-            for variant in variants[shift:] + variants[:shift]:
-                seconds, cpu_seconds = run_steps(*entries[variant], steps)
-                wall[variant].append(seconds / steps)
-                cpu[variant].append(cpu_seconds / steps)
+            for p in range(passes):
+                shift = (r * passes + p) % len(variants)
+                for variant in variants[shift:] + variants[:shift]:
+                    raw[variant][r, p] = run_steps(*entries[variant], steps)
         finally:
             gc.enable()
+    # A round's time of a variant: its fastest pass, the one least slowed
+    # by other processes (interference only ever adds time).
+    wall = {v: t[:, :, 0].min(axis=1) / steps for v, t in raw.items()}
+    cpu = {v: t[:, :, 1].min(axis=1) / steps for v, t in raw.items()}
     result = {
         "model": name,
         "jit_compile": jit_compile,
         "params": params,
         "param_mb": params * 4 / 2**20,
         "batch_size": batch_size,
-        "steps_per_round": steps,
+        "steps_per_pass": steps,
+        "passes_per_round": passes,
         "rounds": mode["rounds"],
         "step_ms": {v: float(np.median(ts) * 1e3) for v, ts in wall.items()},
         "seconds_per_step": {v: [float(t) for t in ts] for v, ts in wall.items()},
+        # [round][pass] = [wall, cpu] seconds per step, before the min.
+        "pass_seconds_per_step": {v: (t / steps).tolist() for v, t in raw.items()},
         "cpu_seconds_per_step": {v: [float(t) for t in ts] for v, ts in cpu.items()},
     }
     result.update(summarize(wall))
@@ -402,36 +425,73 @@ def op_counts(name, spec):
 # --- memory --------------------------------------------------------------
 
 
-def _peak_rss_bytes():
+def _status_bytes(field):
+    """`VmHWM` (peak RSS) or `VmRSS` of this process, in bytes."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if field == "VmHWM":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None
+
+
+def _reset_peak_rss():
+    """Restarts `VmHWM` from the current RSS (Linux 4.0+); False if it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def memory_child(name, variant, smoke, steps):
-    """Runs in a subprocess: train one model, print its peak RSS as JSON."""
+    """Runs in a subprocess: train one model, print its RSS figures as JSON.
+
+    `peak_rss`: the process's peak RSS. `training_growth`: the peak during
+    `fit` and the training steps over the RSS just before (the model built
+    and compiled), which leaves out the import and build peaks.
+    """
     build, batch_size, make_x = model_specs(smoke)[name]
     rng = np.random.default_rng(0)
     batch = (tf.constant(make_x(rng, batch_size)),
              tf.constant(rng.integers(0, 10, (batch_size,)).astype("int32")))
     keras.utils.set_random_seed(0)
-    model, iterator, callback = make_variant(variant, build, batch, jit_compile=False)
-    run_steps(model, iterator, callback, steps)
+    model, callback = new_variant(variant, build, batch, jit_compile=False)
+    gc.collect()
+    peak_before = _status_bytes("VmHWM")
+    rss_before = _status_bytes("VmRSS")
+    reset = _reset_peak_rss()
+    run_steps(*fit_briefly(model, callback, batch), steps)
+    peak = _status_bytes("VmHWM")
     params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
-    print(json.dumps({"peak_rss": _peak_rss_bytes(), "params": params}))
+    print(json.dumps({
+        "peak_rss": max(peak, peak_before),
+        "training_growth": peak - rss_before if reset and rss_before else None,
+        "params": params,
+    }))
 
 
-def measure_memory(name, pairs, smoke, log):
-    """Peak RSS of fresh processes training `plain` and `kept`, alternated."""
-    peaks = {"plain": [], "kept": []}
-    params = None
+# glibc keeps freed memory below a threshold that grows with the sizes it
+# sees (up to 32 MB): a tensor freed may stay resident, and the peak RSS then
+# measures the allocator's history as much as the live buffers. With a fixed
+# low threshold every large tensor is its own mapping, returned on free.
+ALLOCATORS = {
+    "mmap": {"MALLOC_MMAP_THRESHOLD_": "65536"},
+    "default": {},
+}
+
+
+def measure_memory(name, pairs, smoke, log, allocator="mmap"):
+    """RSS figures of fresh processes training `plain` and `kept`."""
+    env = dict(os.environ, **ALLOCATORS[allocator])
+    records = {"plain": [], "kept": []}
     for _ in range(pairs):
-        # Both of a pair at once: peak RSS does not depend on the timing.
+        # Both of a pair at once: RSS does not depend on the timing.
         children = {}
         for variant in ("plain", "kept"):
             cmd = [sys.executable, os.path.abspath(__file__), "--memory-child",
@@ -439,25 +499,41 @@ def measure_memory(name, pairs, smoke, log):
             if smoke:
                 cmd.append("--smoke")
             children[variant] = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
             )
         for variant, child in children.items():
             stdout, stderr = child.communicate()
             if child.returncode:
                 raise RuntimeError(f"memory child {name}/{variant} failed:\n{stderr}")
-            record = json.loads(stdout.strip().splitlines()[-1])
-            peaks[variant].append(record["peak_rss"])
-            params = record["params"]
-    extra = float(np.median(peaks["kept"]) - np.median(peaks["plain"]))
+            records[variant].append(json.loads(stdout.strip().splitlines()[-1]))
+    mb = 2**20
+    params = records["plain"][0]["params"]
     result = {
         "model": name,
+        "allocator": allocator,
+        "allocator_env": ALLOCATORS[allocator],
         "params": params,
-        "param_mb": params * 4 / 2**20,
-        "peak_rss_mb": {v: [p / 2**20 for p in ps] for v, ps in peaks.items()},
-        "extra_mb": extra / 2**20,
+        "param_mb": params * 4 / mb,
+        "pairs": pairs,
+        "peak_rss_mb": {v: [r["peak_rss"] / mb for r in rs] for v, rs in records.items()},
+        "training_growth_mb": {
+            v: [None if r["training_growth"] is None else r["training_growth"] / mb
+                for r in rs]
+            for v, rs in records.items()
+        },
     }
-    log(f"  memory {name}: extra peak RSS {result['extra_mb']:.1f} MB "
-        f"for {result['param_mb']:.1f} MB of parameters")
+
+    def extra(key):
+        values = result[key]
+        if any(x is None for v in values.values() for x in v):
+            return None
+        return float(np.median(values["kept"]) - np.median(values["plain"]))
+
+    result["extra_mb"] = extra("peak_rss_mb")
+    result["extra_training_growth_mb"] = extra("training_growth_mb")
+    log(f"  memory {name} ({allocator} malloc): extra peak RSS {result['extra_mb']:+.1f} MB, extra growth "
+        f"in training {result['extra_training_growth_mb']} MB, for "
+        f"{result['param_mb']:.1f} MB of parameters")
     return result
 
 
@@ -545,13 +621,22 @@ def markdown(results):
             lines.append(f"| {o['model']} | {o['plain']} | {o['off']} | {o['kept']} | "
                          f"{'yes' if o['off_equals_plain'] else 'NO'} | {extra} |")
     if results.get("memory"):
-        lines += ["", "| model | parameter MB | plain peak RSS MB | kept peak RSS MB | "
-                  "extra MB |", "|---|---|---|---|---|"]
+        lines += ["", "| model | malloc | parameter MB | peak RSS MB, plain | kept | extra | "
+                  "growth in training MB, plain | kept | extra |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+
+        def cells(values, extra):
+            def fmt(xs):
+                return ", ".join("?" if x is None else f"{x:.0f}" for x in xs)
+            extra = "?" if extra is None else f"{extra:+.1f}"
+            return f"{fmt(values['plain'])} | {fmt(values['kept'])} | {extra}"
+
         for m in results["memory"]:
-            plain = ", ".join(f"{p:.0f}" for p in m["peak_rss_mb"]["plain"])
-            kept = ", ".join(f"{p:.0f}" for p in m["peak_rss_mb"]["kept"])
-            lines.append(f"| {m['model']} | {m['param_mb']:.1f} | {plain} | {kept} | "
-                         f"{m['extra_mb']:+.1f} |")
+            lines.append(
+                f"| {m['model']} | {m['allocator']} | {m['param_mb']:.1f} | "
+                f"{cells(m['peak_rss_mb'], m['extra_mb'])} | "
+                f"{cells(m['training_growth_mb'], m['extra_training_growth_mb'])} |"
+            )
     return "\n".join(lines)
 
 
@@ -566,6 +651,8 @@ def main(argv=None):
                         help="jit_compile off, on or both; default both (smoke: off)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS,
                         help="only these variants (plain and control always run)")
+    parser.add_argument("--batch-size", type=int,
+                        help="override every model's batch size")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-ops", action="store_true")
     parser.add_argument("--out", help="JSON path; default benchmarks/results/")
@@ -585,6 +672,8 @@ def main(argv=None):
     variants = list(args.variants or mode.get("variants", VARIANTS))
     variants = ["plain", "control"] + [v for v in variants if v not in ("plain", "control")]
     specs = model_specs(args.smoke)
+    if args.batch_size:
+        specs = {k: (b, args.batch_size, x) for k, (b, _, x) in specs.items()}
     names = args.models or list(specs)
     jit = args.jit or ("off" if args.smoke else "both")
     jits = {"off": [False], "on": [True], "both": [False, True]}[jit]
@@ -613,15 +702,18 @@ def main(argv=None):
             results["configs"].append(
                 time_config(name, specs[name], jit_compile, mode, variants, log)
             )
+    log(f"  timing done at {time.perf_counter() - started:.0f}s")
     if not args.no_ops:
         for name in names:
             results["op_counts"].append(op_counts(name, specs[name]))
+        log(f"  op counts done at {time.perf_counter() - started:.0f}s")
     if not args.no_memory:
-        for name in mode["memory_models"]:
-            if name in specs:
-                results["memory"].append(
-                    measure_memory(name, mode["memory_pairs"], args.smoke, log)
-                )
+        for allocator in mode.get("memory_allocators", ("mmap",)):
+            for name in mode["memory_models"]:
+                if name in specs:
+                    results["memory"].append(measure_memory(
+                        name, mode["memory_pairs"], args.smoke, log, allocator
+                    ))
     results["machine_after"] = machine_state()
     results["seconds"] = time.perf_counter() - started
 

@@ -41,7 +41,14 @@ def test_overhead_smoke_writes_every_promised_number(tmp_path):
     assert configs["mlp_1m", False]["params"] == 874
     assert configs["embedding", False]["params"] == 1370
     for config in configs.values():
-        assert config["rounds"] == 2 and config["steps_per_round"] >= 1
+        assert config["rounds"] == 2 and config["passes_per_round"] == 2
+        assert config["steps_per_pass"] >= 1
+        for variant, passes in config["pass_seconds_per_step"].items():
+            assert len(passes) == 2 and all(len(p) == 2 for p in passes)
+            # A round's time is its fastest pass; [wall, cpu] per pass.
+            assert config["seconds_per_step"][variant] == [
+                min(wall for wall, _ in rnd) for rnd in passes
+            ]
         for key in ("seconds_per_step", "cpu_seconds_per_step"):
             assert set(config[key]) == set(VARIANTS)
             for seconds in config[key].values():
