@@ -1,8 +1,10 @@
 """Demo: watch gradients vanish in a deep sigmoid MLP, and not in ReLU+BN.
 
 Run `python -m keras_keepgrad.demo --logdir runs/demo`. It trains two small
-models on synthetic data (about half a minute on a laptop CPU) with
-`KeepGradModel`, then prints a per-layer gradient health table.
+models on synthetic data with `KeepGradModel` (seconds on a laptop CPU):
+gradient metrics in the progress bar, `GradientTensorBoard` panels under
+`--logdir`, a `GradientMonitor` watching for vanishing layers, and at the end
+a per-layer gradient health table.
 """
 
 import argparse
@@ -11,6 +13,7 @@ import math
 import os
 import sys
 import time
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -95,19 +98,33 @@ def health_table(norms):
 
 
 def run(kind, x, y, epochs, logdir, verbose):
+    """Trains one model; returns its final loss, norms, CSV path and monitor."""
     model = build_model(kind)
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="binary_crossentropy")
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05),
+        loss="binary_crossentropy",
+        metrics=[kg.metrics.GradientNorm(),
+                 kg.metrics.VanishingGradients(threshold=VANISHING)],
+    )
     norms = LayerNorms()
-    history = model.fit(x, y, batch_size=128, epochs=epochs, verbose=verbose,
-                        callbacks=[norms])
-    os.makedirs(logdir, exist_ok=True)
+    monitor = kg.callbacks.GradientMonitor(
+        action="warn", vanishing_threshold=VANISHING, vanishing_steps=5
+    )
+    board = kg.callbacks.GradientTensorBoard(
+        log_dir=os.path.join(logdir, kind), update_freq=4, histogram_freq=1
+    )
+    with warnings.catch_warnings():
+        # The monitor's findings are summarized below, not warned one by one.
+        warnings.filterwarnings("ignore", message="GradientMonitor", category=UserWarning)
+        history = model.fit(x, y, batch_size=128, epochs=epochs, verbose=verbose,
+                            callbacks=[norms, monitor, board])
     path = os.path.join(logdir, f"{kind}_grad_norms.csv")
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["step"] + list(norms.norms))
         for step, row in enumerate(zip(*norms.norms.values())):
             writer.writerow([step + 1] + [f"{v:.6e}" for v in row])
-    return history.history["loss"][-1], norms.norms, path
+    return history.history, norms.norms, path, monitor
 
 
 def main(argv=None):
@@ -132,11 +149,17 @@ def main(argv=None):
     start = time.time()
     for kind in ("sigmoid", "relu_bn"):
         print(f"\n== {kind}: 8 hidden layers, {len(x)} synthetic samples ==")
-        loss, norms, path = run(kind, x, y, args.epochs, args.logdir,
-                                verbose=0 if args.quiet else 2)
-        print(f"final loss {loss:.4f}; per-step norms written to {path}\n")
+        history, norms, path, monitor = run(kind, x, y, args.epochs, args.logdir,
+                                            verbose=0 if args.quiet else 2)
+        print(f"final loss {history['loss'][-1]:.4f}, grad_norm {history['grad_norm'][-1]:.3e}, "
+              f"vanishing layers {history['grad_vanishing'][-1]:.0%}; "
+              f"per-step norms in {path}")
+        for event in monitor.events:
+            print(f"GradientMonitor: {event['message']}")
+        print()
         print(health_table(norms))
-    print(f"\nDone in {time.time() - start:.1f} s.")
+    print(f"\nDone in {time.time() - start:.1f} s. Gradient panels: "
+          f"tensorboard --logdir {args.logdir}")
     return 0
 
 

@@ -3,6 +3,8 @@
 import csv
 import math
 
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
 from keras_keepgrad import demo
 
 
@@ -27,7 +29,17 @@ def test_demo_runs_and_shows_the_vanishing_layers(tmp_path, capsys):
     sigmoid_table = out.split("== relu_bn")[0]
     assert "vanishing" in sigmoid_table
     relu_table = out.split("== relu_bn")[1]
-    assert "vanishing" not in relu_table and "NON-FINITE" not in relu_table
+    relu_rows = relu_table.split("verdict")[1].split("Done in")[0]
+    assert "vanishing" not in relu_rows and "NON-FINITE" not in relu_rows
+    assert "vanishing layers 0%" in relu_table
+    # The monitor named the first layer; the panels are on disk.
+    assert "GradientMonitor: Step" in sigmoid_table and "'dense_0'" in sigmoid_table
+    assert f"tensorboard --logdir {tmp_path}" in out
+    acc = EventAccumulator(str(tmp_path / "sigmoid" / "train"))
+    acc.Reload()
+    tags = acc.Tags()
+    assert "gradients/layer_norm/dense_0" in tags["tensors"] + tags["scalars"]
+    assert any(t.startswith("gradients/histogram/") for t in tags["tensors"] + tags["histograms"])
 
 
 def test_demo_rejects_an_unwritable_logdir(tmp_path, capsys):
