@@ -77,10 +77,11 @@ MODES = {
     # variant running about `pass_seconds` of steps per pass.
     "full": dict(rounds=100, passes=3, pass_seconds=0.04, memory_pairs=3,
                  memory_models=("mlp_10m", "embedding"),
-                 memory_allocators=("mmap", "default")),
+                 memory_allocators=("mmap", "default"),
+                 memory_variants=("plain", "kept", "hand")),
     # Quick: only the variants the targets need (each one is built, traced
     # and XLA-compiled per config, which dominates a short run).
-    "quick": dict(rounds=10, passes=3, pass_seconds=0.02, memory_pairs=1,
+    "quick": dict(rounds=8, passes=2, pass_seconds=0.02, memory_pairs=1,
                   memory_models=("mlp_10m",),
                   variants=("plain", "control", "kept", "recompute")),
     "smoke": dict(rounds=2, passes=2, pass_seconds=0.0, memory_pairs=1,
@@ -486,14 +487,15 @@ ALLOCATORS = {
 }
 
 
-def measure_memory(name, pairs, smoke, log, allocator="mmap"):
-    """RSS figures of fresh processes training `plain` and `kept`."""
+def measure_memory(name, pairs, smoke, log, allocator="mmap",
+                   variants=("plain", "kept")):
+    """RSS figures of fresh processes training each of `variants`."""
     env = dict(os.environ, **ALLOCATORS[allocator])
-    records = {"plain": [], "kept": []}
+    records = {v: [] for v in variants}
     for _ in range(pairs):
-        # Both of a pair at once: RSS does not depend on the timing.
+        # All of a set at once: RSS does not depend on the timing.
         children = {}
-        for variant in ("plain", "kept"):
+        for variant in variants:
             cmd = [sys.executable, os.path.abspath(__file__), "--memory-child",
                    name, variant, "--steps", "20"]
             if smoke:
@@ -523,14 +525,17 @@ def measure_memory(name, pairs, smoke, log, allocator="mmap"):
         },
     }
 
-    def extra(key):
+    def extra(key, variant="kept"):
         values = result[key]
-        if any(x is None for v in values.values() for x in v):
+        if any(x is None for x in values[variant] + values["plain"]):
             return None
-        return float(np.median(values["kept"]) - np.median(values["plain"]))
+        return float(np.median(values[variant]) - np.median(values["plain"]))
 
     result["extra_mb"] = extra("peak_rss_mb")
     result["extra_training_growth_mb"] = extra("training_growth_mb")
+    if "hand" in variants:
+        result["hand_extra_mb"] = extra("peak_rss_mb", "hand")
+        result["hand_extra_training_growth_mb"] = extra("training_growth_mb", "hand")
     log(f"  memory {name} ({allocator} malloc): extra peak RSS {result['extra_mb']:+.1f} MB, extra growth "
         f"in training {result['extra_training_growth_mb']} MB, for "
         f"{result['param_mb']:.1f} MB of parameters")
@@ -637,6 +642,15 @@ def markdown(results):
                 f"{cells(m['peak_rss_mb'], m['extra_mb'])} | "
                 f"{cells(m['training_growth_mb'], m['extra_training_growth_mb'])} |"
             )
+        hand = [m for m in results["memory"] if "hand_extra_mb" in m]
+        if hand:
+            lines += ["", "Hand-written train_step keeping gradients (slots made "
+                      "before training), over plain:", ""]
+            lines += [f"- {m['model']} ({m['allocator']} malloc): peak RSS "
+                      f"{m['hand_extra_mb']:+.1f} MB, growth in training "
+                      f"{m['hand_extra_training_growth_mb']:+.1f} MB "
+                      f"(runs: {', '.join(f'{x:.0f}' for x in m['peak_rss_mb']['hand'])} MB)"
+                      for m in hand]
     return "\n".join(lines)
 
 
@@ -712,7 +726,8 @@ def main(argv=None):
             for name in mode["memory_models"]:
                 if name in specs:
                     results["memory"].append(measure_memory(
-                        name, mode["memory_pairs"], args.smoke, log, allocator
+                        name, mode["memory_pairs"], args.smoke, log, allocator,
+                        mode.get("memory_variants", ("plain", "kept")),
                     ))
     results["machine_after"] = machine_state()
     results["seconds"] = time.perf_counter() - started
