@@ -8,6 +8,9 @@ import keras
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.backend.tensorflow.trainer import (
+    _collective_all_reduce_multi_worker as collective_multi_worker,
+)
 from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
@@ -16,6 +19,7 @@ __all__ = [
     "Functional",
     "TensorFlowTrainer",
     "check_backend",
+    "collective_multi_worker",
     "data_spec_from_epoch_iterator",
     "functional_init_arguments",
     "in_symbolic_build",

@@ -19,13 +19,18 @@ from keras import ops
 
 __all__ = [
     "GradientKeeper",
+    "agree_on_skip",
+    "all_reduce_sum",
     "current_step_gradients",
     "current_step_variables",
     "densify",
     "evaluation_step",
     "in_evaluation_step",
     "nest_by_path",
+    "reduces_in_step",
+    "replica_spec",
     "unscale",
+    "with_batch_axis",
 ]
 
 
@@ -98,18 +103,25 @@ _step = threading.local()
 
 
 @contextlib.contextmanager
-def step_gradients(flat_grads, variables=None):
+def step_gradients(flat_grads, variables=None, reduced=False):
     """Makes this step's kept gradients (`{path: grad}`) visible to metrics.
 
     `variables` (`{path: variable}`, already updated by the optimizer) is
-    for metrics that measure the update itself.
+    for metrics that measure the update itself. Under a `tf.distribute`
+    strategy `flat_grads` are this replica's partial gradients unless
+    `reduced=True` says they already are the global ones; metrics see global
+    ones either way (see `current_step_gradients`).
     """
-    previous = getattr(_step, "grads", None), getattr(_step, "variables", None)
-    _step.grads, _step.variables = flat_grads, variables
+    previous = (
+        getattr(_step, "grads", None),
+        getattr(_step, "variables", None),
+        getattr(_step, "reduced", True),
+    )
+    _step.grads, _step.variables, _step.reduced = flat_grads, variables, reduced
     try:
         yield
     finally:
-        _step.grads, _step.variables = previous
+        _step.grads, _step.variables, _step.reduced = previous
 
 
 def current_step_variables():
@@ -137,8 +149,122 @@ def current_step_gradients():
     """The `{path: grad}` of the training step being traced or run, else None.
 
     Sparse gradients come as `tf.IndexedSlices`; `densify` them to read.
+    Under a `tf.distribute` strategy they are the global-batch gradients, the
+    same on every replica: the first call in a step all-reduces the
+    replicas' partial gradients (one all-reduce per step, only in steps
+    where some metric asks).
     """
-    return getattr(_step, "grads", None)
+    grads = getattr(_step, "grads", None)
+    if grads is not None and not _step.reduced:
+        grads = dict(zip(grads, all_reduce_sum(list(grads.values()))))
+        _step.grads, _step.reduced = grads, True
+    return grads
+
+
+# Distribution --------------------------------------------------------------
+#
+# Under `tf.distribute`, `train_step` runs once per replica, on that
+# replica's share of the global batch, and Keras scales each replica's loss
+# by `1 / num_replicas`: a replica's gradient is its partial sum, and the
+# global-batch gradient (what one device computes) is the sum over replicas.
+# The optimizer all-reduces its own, possibly clipped, copy later.
+
+
+def all_reduce_sum(grads):
+    """Sums per-replica gradients over the replicas (identity on one).
+
+    Must run in a replica context (inside `strategy.run`, e.g. in
+    `train_step`). `tf.IndexedSlices` are gathered, rows concatenated.
+    """
+    context = tf.distribute.get_replica_context()
+    grads = list(grads)
+    if context is None or context.num_replicas_in_sync == 1 or not grads:
+        return grads
+    return list(context.all_reduce(tf.distribute.ReduceOp.SUM, grads))
+
+
+def reduces_in_step(strategy):
+    """Whether slots hold all-reduced gradients rather than partial ones.
+
+    A replica's partial gradient can be summed when read only if all the
+    replicas live in this process. With replicas in other worker processes
+    (`MultiWorkerMirroredStrategy` across machines) that read would be a
+    collective every worker must join, so the step itself all-reduces and
+    every replica keeps the global gradient.
+    """
+    if strategy.num_replicas_in_sync == 1:
+        return False
+    return len(strategy.extended.worker_devices) < strategy.num_replicas_in_sync
+
+
+def replica_spec(spec):
+    """One replica's batch spec, from a (possibly distributed) dataset's.
+
+    A distributed dataset's `element_spec` holds a `PerReplicaSpec` per
+    tensor (TensorFlow 2.21, no public accessor); every replica's batch has
+    the structure and dtypes of the first, which is all the slots and the
+    model's symbolic build need.
+    """
+    if spec is None:
+        return None
+
+    def one_replica(s):
+        value_specs = getattr(s, "_value_specs", None)
+        return value_specs[0] if value_specs else s
+
+    return tf.nest.map_structure(one_replica, spec)
+
+
+def agree_on_skip(optimizer, grads):
+    """Makes the replicas agree on a `LossScaleOptimizer` skip.
+
+    Keras 3.15's `LossScaleOptimizer._tf_apply` decides, under a strategy
+    that uses `merge_call` (`MirroredStrategy`), whether to skip the step
+    from replica 0's gradients alone, before they are all-reduced: an
+    overflow on another replica only is applied, and every weight turns
+    non-finite. Without `merge_call` each replica decides alone. Here the
+    replicas first count their non-finite gradients together (a one-scalar
+    all-reduce); if any replica has one, every replica hands the optimizer
+    NaN gradients, so the step is skipped and the scale halved, as on one
+    device. Finite steps pass through untouched. The kept gradients are
+    stored before this, so they still show the real non-finite values.
+    """
+    context = tf.distribute.get_replica_context()
+    if (
+        not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        or context is None
+        or context.num_replicas_in_sync == 1
+    ):
+        return grads
+    present = [g for g in grads if g is not None]
+    if not present:
+        return grads
+    overflowed = tf.cast(tf.logical_not(optimizer.check_finite(present)), tf.float32)
+    finite = tf.equal(context.all_reduce(tf.distribute.ReduceOp.SUM, overflowed), 0.0)
+
+    def nan(t):
+        return tf.fill(tf.shape(t), tf.constant(float("nan"), t.dtype))
+
+    present = iter(
+        tf.cond(finite, lambda: present, lambda: [_map_values(g, nan) for g in present])
+    )
+    return [None if g is None else next(present) for g in grads]
+
+
+def with_batch_axis(step_function):
+    """Wraps a step function so that each output gets a leading axis of 1.
+
+    Under `MultiWorkerMirroredStrategy`, Keras 3.15 averages the replicas'
+    step outputs with `strategy.reduce("MEAN", value, axis=0)`, which fails on
+    scalars (the loss, the metrics; tensorflow/tensorflow#72388). With the
+    axis, each replica contributes one row and the mean over the rows is the
+    scalar mean over replicas that `MirroredStrategy` logs.
+    """
+
+    def step(data):
+        return tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), step_function(data))
+
+    return step
 
 
 def _spec_of(grad, dense_shape, sparse):
@@ -154,33 +280,56 @@ def _slot_name(path):
     return "kept_gradient/" + re.sub(r"[^A-Za-z0-9_./-]", "_", path)
 
 
-class _Slot:
-    """The non-trainable storage of one variable's kept gradient."""
+def _on_read(aggregation):
+    # One copy per replica, written by that replica without communication.
+    # Without a strategy, a plain variable.
+    return dict(
+        trainable=False,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=aggregation,
+    )
 
-    def __init__(self, path, spec, dense_shape, strategy):
+
+class _Slot:
+    """The non-trainable storage of one variable's kept gradient.
+
+    Created under the model's strategy with one copy per replica
+    (`ON_READ`), which each replica writes in its step. With
+    `partial=True` the copies hold the replicas' partial gradients and a
+    read sums this process's copies (`SUM` aggregation: an assignment
+    outside the step splits the value among them); otherwise each copy
+    holds the whole gradient and a read takes the first.
+    """
+
+    def __init__(self, path, spec, dense_shape, strategy, partial=False):
         self.spec = spec
         self.dense_shape = tuple(dense_shape)
+        self.strategy = strategy
+        self.partial = partial
+        values = _on_read(
+            tf.VariableAggregation.SUM
+            if partial
+            else tf.VariableAggregation.ONLY_FIRST_REPLICA
+        )
         name = _slot_name(path)
         with tf.init_scope(), strategy.scope():
             if spec[0] == "dense":
                 _, dtype, shape = spec
-                self.values = tf.Variable(
-                    tf.zeros(shape, dtype), trainable=False, name=name
-                )
+                self.values = tf.Variable(tf.zeros(shape, dtype), name=name, **values)
                 self.indices = None
             else:
                 _, dtype, row_shape, index_dtype = spec
                 self.values = tf.Variable(
                     tf.zeros((0,) + row_shape, dtype),
                     shape=tf.TensorShape((None,) + row_shape),
-                    trainable=False,
                     name=name + "/values",
+                    **values,
                 )
                 self.indices = tf.Variable(
                     tf.zeros((0,), index_dtype),
                     shape=tf.TensorShape((None,)),
-                    trainable=False,
                     name=name + "/indices",
+                    **_on_read(tf.VariableAggregation.ONLY_FIRST_REPLICA),
                 )
 
     @property
@@ -194,16 +343,22 @@ class _Slot:
             self.values.assign(grad.values)
             self.indices.assign(grad.indices)
 
+    def _copies(self, variable):
+        return [
+            tf.convert_to_tensor(v)
+            for v in self.strategy.experimental_local_results(variable)
+        ]
+
     def read(self):
-        if self.indices is None:
-            return tf.convert_to_tensor(self.values)
-        return densify(
-            tf.IndexedSlices(
-                tf.convert_to_tensor(self.values),
-                tf.convert_to_tensor(self.indices),
-                self.dense_shape,
-            )
-        )
+        copies = self._copies(self.values)
+        if self.indices is not None:
+            copies = [
+                densify(tf.IndexedSlices(v, i, self.dense_shape))
+                for v, i in zip(copies, self._copies(self.indices))
+            ]
+        if self.partial and len(copies) > 1:
+            return tf.add_n(copies)
+        return copies[0]
 
 
 class GradientKeeper:
@@ -242,9 +397,15 @@ class GradientKeeper:
 
     def _slot_for(self, variable, grad, strategy):
         spec = _spec_of(grad, variable.shape, self.sparse)
+        partial = strategy.num_replicas_in_sync > 1 and not reduces_in_step(strategy)
         slot = self._slots.get(variable.path)
-        if slot is None or slot.spec != spec:
-            slot = _Slot(variable.path, spec, variable.shape, strategy)
+        if (
+            slot is None
+            or slot.spec != spec
+            or slot.strategy is not strategy
+            or slot.partial != partial
+        ):
+            slot = _Slot(variable.path, spec, variable.shape, strategy, partial)
             self._slots[variable.path] = slot
         return slot
 
@@ -256,7 +417,18 @@ class GradientKeeper:
         function being traced. With `every > 1` only steps 1, 1 + every,
         1 + 2 * every, ... are written (counted by the keeper itself, so
         skipped loss-scale steps and gradient accumulation count as steps).
+
+        Under a strategy each replica writes its own partial gradient, with
+        no communication, and reads sum them; across worker processes the
+        gradients are all-reduced here first (`reduces_in_step`).
+
+        Returns:
+            `(grads, reduced)`: the gradients as this replica now holds
+            them, and whether they are the global ones.
         """
+        reduced = reduces_in_step(strategy)
+        if reduced:
+            grads = all_reduce_sum(grads)
         slots = [self._slot_for(v, g, strategy) for v, g in zip(variables, grads)]
         self.paths = tuple(v.path for v in variables)
 
@@ -267,16 +439,32 @@ class GradientKeeper:
 
         if every == 1:
             write()
-            return
+            return grads, reduced
         if self._step is None:
-            with tf.init_scope(), strategy.scope():
-                self._step = tf.Variable(
-                    tf.constant(0, tf.int64), trainable=False, name="kept_gradient/step"
-                )
+            self._create_step_counter(strategy)
         tf.cond(
             tf.equal(self._step % every, 0), write, lambda: tf.constant(False)
         )
         self._step.assign_add(1)
+        return grads, reduced
+
+    def _create_step_counter(self, strategy):
+        def create(*_):
+            with tf.init_scope(), strategy.scope():
+                # Each replica counts the steps in its own copy.
+                self._step = tf.Variable(
+                    tf.constant(0, tf.int64),
+                    name="kept_gradient/step",
+                    **_on_read(tf.VariableAggregation.ONLY_FIRST_REPLICA),
+                )
+
+        context = tf.distribute.get_replica_context()
+        if tf.distribute.has_strategy() and context is not None:
+            # In a replica's step: a strategy creates variables only in its
+            # cross-replica context, once for all replicas.
+            context.merge_call(create)
+        else:
+            create()
 
     def slot_dtypes(self):
         """`{path: dtype}` of the slots the training function writes."""

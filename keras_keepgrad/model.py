@@ -157,13 +157,52 @@ class KeepGradModel(keras.Model):
         # the training function is made: remember one batch's spec so the
         # slots can be shaped from a traced gradient computation.
         if iterator is not None:
-            self._pending.data_spec = _compat.data_spec_from_epoch_iterator(iterator)
+            spec = _keeper.replica_spec(_compat.data_spec_from_epoch_iterator(iterator))
+            self._pending.data_spec = spec
+            if self._distribute_strategy is not None and spec is not None:
+                # Keras 3.15 pulls a batch and `strategy.reduce`s it, which
+                # fails under `MultiWorkerMirroredStrategy`
+                # (keras-team/keras#20585); one replica's spec builds alike.
+                with self.distribute_strategy.scope():
+                    self._symbolic_build(data_batch=spec)
+                return
         elif data_batch is not None:
             self._pending.data_spec = tree.map_structure(
                 lambda v: None if v is None else tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)),
                 data_batch,
             )
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    def _make_function(self, step_function):
+        if _compat.collective_multi_worker(self.distribute_strategy):
+            step_function = _keeper.with_batch_axis(step_function)
+        return super()._make_function(step_function)
+
+    @property
+    def jit_compile(self):
+        """Bool. Whether the training step is compiled with XLA.
+
+        Under a `tf.distribute` strategy with several replicas XLA cannot
+        compile Keras's step (it reads each replica's variables from one
+        device), so `True` falls back to `False` with a warning.
+        """
+        return keras.Model.jit_compile.fget(self)
+
+    @jit_compile.setter
+    def jit_compile(self, value):
+        if value and self.distribute_strategy.num_replicas_in_sync > 1:
+            warnings.warn(
+                "`jit_compile=True` is not supported under a `tf.distribute` "
+                "strategy with several replicas (Keras's own step fails: XLA "
+                "cannot read the replicas' variables from one device). "
+                "Proceeding with `jit_compile=False`. Received: "
+                f"jit_compile={value!r} with "
+                f"{type(self.distribute_strategy).__name__} of "
+                f"{self.distribute_strategy.num_replicas_in_sync} replicas.",
+                stacklevel=2,
+            )
+            value = False
+        keras.Model.jit_compile.fset(self, value)
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
@@ -241,12 +280,15 @@ class KeepGradModel(keras.Model):
         kept, grads, (x, y, y_pred, sample_weight) = self._unscaled_gradients(
             data, variables
         )
-        self._keeper.store(
+        kept, reduced = self._keeper.store(
             variables, kept, self.distribute_strategy, every=self._keep_every
         )
+        grads = _keeper.agree_on_skip(self.optimizer, grads)
         self.optimizer.apply_gradients(zip(grads, variables))
         flat = {v.path: g for v, g in zip(variables, kept)}
-        with _keeper.step_gradients(flat, {v.path: v for v in variables}):
+        with _keeper.step_gradients(
+            flat, {v.path: v for v in variables}, reduced=reduced
+        ):
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def test_step(self, data):
