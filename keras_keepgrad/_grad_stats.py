@@ -16,7 +16,6 @@ import tensorflow as tf
 __all__ = [
     "GradientNorms",
     "StepCounter",
-    "check_bool",
     "check_frequency",
     "check_non_negative_int",
     "check_positive_float",
@@ -269,12 +268,6 @@ def check_positive_float(name, value, above=0.0, or_none=True):
     raise ValueError(
         f"`{name}` must be a finite number above {above:g}{none}. Received: {name}={value!r}"
     )
-
-
-def check_bool(name, value):
-    if isinstance(value, bool):
-        return value
-    raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
 
 
 def trainable_paths(model):

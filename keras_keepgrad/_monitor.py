@@ -9,6 +9,7 @@ from collections import deque
 import keras
 import numpy as np
 
+from keras_keepgrad import _checks
 from keras_keepgrad import _grad_stats
 
 __all__ = ["GradientMonitor"]
@@ -107,7 +108,7 @@ class GradientMonitor(keras.callbacks.Callback):
                 f"`action` must be one of {list(_ACTIONS)}. Received: action={action!r}"
             )
         self.action = action
-        self.check_nonfinite = _grad_stats.check_bool("check_nonfinite", check_nonfinite)
+        self.check_nonfinite = _checks.check_bool("check_nonfinite", check_nonfinite)
         self.min_loss_scale = _grad_stats.check_positive_float("min_loss_scale", min_loss_scale)
         self.vanishing_threshold = _grad_stats.check_positive_float(
             "vanishing_threshold", vanishing_threshold

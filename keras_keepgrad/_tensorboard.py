@@ -9,6 +9,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_keepgrad import _checks
 from keras_keepgrad import _grad_stats
 from keras_keepgrad import _tb_panels
 
@@ -97,7 +98,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             update_freq=update_freq,
             **kwargs,
         )
-        self.write_heatmap = _grad_stats.check_bool("write_heatmap", write_heatmap)
+        self.write_heatmap = _checks.check_bool("write_heatmap", write_heatmap)
         self._steps = _grad_stats.StepCounter()
         self._norms = None
         self._heatmap = None

@@ -19,6 +19,7 @@ nothing to report (no training step since the last reset).
 import keras
 import tensorflow as tf
 
+from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _keeper
 
@@ -378,7 +379,7 @@ class GradientNorm(_PerLayerMixin, GradientMetric):
     """
 
     def __init__(self, per_layer=False, name="grad_norm", reduction="mean", **kwargs):
-        self.per_layer = _check_bool("per_layer", per_layer)
+        self.per_layer = _checks.check_bool("per_layer", per_layer)
         super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
 
     def _step_values(self, grads):
@@ -527,7 +528,7 @@ class UpdateRatio(_PerLayerMixin, GradientMetric):
     """
 
     def __init__(self, per_layer=False, name="update_ratio", reduction="mean", **kwargs):
-        self.per_layer = _check_bool("per_layer", per_layer)
+        self.per_layer = _checks.check_bool("per_layer", per_layer)
         super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
         self._copies = _Holder()
         self._counted = self.add_variable(
@@ -596,15 +597,6 @@ class UpdateRatio(_PerLayerMixin, GradientMetric):
         config = super().get_config()
         config["per_layer"] = self.per_layer
         return config
-
-
-def _check_bool(name, value):
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"`{name}` must be a bool (True or False). Received: "
-            f"{name}={value!r} of type {type(value).__name__}"
-        )
-    return value
 
 
 def _gradient_metrics(model):

@@ -7,6 +7,7 @@ import keras
 import tensorflow as tf
 from keras import tree
 
+from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _keeper
 from keras_keepgrad import _saving
@@ -15,15 +16,6 @@ from keras_keepgrad import metrics as metrics_lib
 __all__ = ["KeepGradModel", "keep_gradients"]
 
 _OPTIONS = ("keep_gradients", "save_gradients", "keep_every")
-
-
-def _check_bool(name, value):
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"`{name}` must be a bool (True or False). Received: "
-            f"{name}={value!r} of type {type(value).__name__}"
-        )
-    return value
 
 
 def _check_keep_every(value):
@@ -84,8 +76,8 @@ class KeepGradModel(keras.Model):
         self, *args, keep_gradients=True, save_gradients=False, keep_every=1, **kwargs
     ):
         _compat.check_backend(type(self).__name__)
-        _check_bool("keep_gradients", keep_gradients)
-        _check_bool("save_gradients", save_gradients)
+        _checks.check_bool("keep_gradients", keep_gradients)
+        _checks.check_bool("save_gradients", save_gradients)
         _check_keep_every(keep_every)
         if _compat.functional_init_arguments(args, kwargs):
             if not isinstance(self, _compat.Functional):
@@ -114,7 +106,7 @@ class KeepGradModel(keras.Model):
 
     @keep_gradients.setter
     def keep_gradients(self, value):
-        value = _check_bool("keep_gradients", value)
+        value = _checks.check_bool("keep_gradients", value)
         if value != self._keep_gradients:
             # The training function is traced with or without keeping.
             self.train_function = None
@@ -127,7 +119,7 @@ class KeepGradModel(keras.Model):
 
     @save_gradients.setter
     def save_gradients(self, value):
-        self._save_gradients = _check_bool("save_gradients", value)
+        self._save_gradients = _checks.check_bool("save_gradients", value)
 
     @property
     def keep_every(self):
