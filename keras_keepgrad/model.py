@@ -54,16 +54,22 @@ class KeepGradModel(keras.Model):
 
     Example:
 
-    ```python
-    inputs = keras.Input((1,))
-    outputs = keras.layers.Dense(1, use_bias=False,
-                                 kernel_initializer="ones")(inputs)
-    model = KeepGradModel(inputs, outputs)
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    model.fit(np.array([[1.0], [2.0]]), np.zeros((2, 1)), batch_size=2)
-    # loss = mean((w*x)^2), d/dw = w * (1 + 4) = 5.0 at w = 1
-    model.gradients["dense"]["kernel"]  # [[5.0]]
-    ```
+    >>> import keras, numpy as np
+    >>> import keras_keepgrad as kg
+    >>> inputs = keras.Input((1,))
+    >>> dense = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
+    ...                            name="doc_dense")
+    >>> model = kg.KeepGradModel(inputs, dense(inputs))
+    >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    >>> history = model.fit(np.array([[1.0], [2.0]]), np.zeros((2, 1)),
+    ...                     batch_size=2, verbose=0)
+
+    loss = mean((w*x)^2), so d/dw = w * (1 + 4) = 5 at w = 1:
+
+    >>> model.gradients["doc_dense"]["kernel"].numpy()
+    array([[5.]], dtype=float32)
+    >>> model.get_weights()[0]  # 1 - 0.1 * 5
+    array([[0.5]], dtype=float32)
     """
 
     def __new__(cls, *args, **kwargs):
@@ -415,6 +421,25 @@ def keep_gradients(model, **options):
     Raises:
         TypeError: `model` is not a `keras.Model`, or an option is unknown
             or not a bool.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> import keras_keepgrad as kg
+    >>> plain = keras.Sequential([
+    ...     keras.Input((1,)),
+    ...     keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
+    ...                        name="dense")], name="doc_seq")
+    >>> model = kg.keep_gradients(plain)
+    >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    >>> history = model.fit(np.array([[1.0], [2.0]]), np.zeros((2, 1)),
+    ...                     batch_size=2, verbose=0)
+    >>> list(model.get_gradients_by_path())  # the original's variable paths
+    ['doc_seq/dense/kernel']
+    >>> model.gradients["doc_seq"]["dense"]["kernel"].numpy()
+    array([[5.]], dtype=float32)
+    >>> plain.get_weights()[0]  # the original model was trained
+    array([[0.5]], dtype=float32)
     """
     _compat.check_backend("keep_gradients()")
     if not isinstance(model, keras.Model):
