@@ -369,13 +369,21 @@ class GradientNorm(_PerLayerMixin, GradientMetric):
 
     Example:
 
-    ```python
-    # Dense(1, use_bias=False, kernel_initializer=Constant(3.0)),
-    # x = [[1], [2]], y = 0, mse: grad = 5w = 15.
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-                  metrics=[kg.metrics.GradientNorm()])
-    model.fit(x, y, batch_size=2).history["grad_norm"]  # [15.0]
-    ```
+    One weight w = 3, x = [[1], [2]], y = 0, mse: the gradient is 5w = 15,
+    and SGD(0.1) halves w every step:
+
+    >>> import keras, numpy as np
+    >>> import keras_keepgrad as kg
+    >>> inputs = keras.Input((1,))
+    >>> dense = keras.layers.Dense(
+    ...     1, use_bias=False, kernel_initializer=keras.initializers.Constant(3.0))
+    >>> model = kg.KeepGradModel(inputs, dense(inputs))
+    >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+    ...               metrics=[kg.metrics.GradientNorm()])
+    >>> history = model.fit(np.array([[1.0], [2.0]]), np.zeros((2, 1)),
+    ...                     batch_size=2, epochs=3, verbose=0)
+    >>> history.history["grad_norm"]
+    [15.0, 7.5, 3.75]
     """
 
     def __init__(self, per_layer=False, name="grad_norm", reduction="mean", **kwargs):
