@@ -545,6 +545,22 @@ def measure_memory(name, pairs, smoke, log, allocator="mmap",
 # --- report --------------------------------------------------------------
 
 
+def code_state():
+    """The commit benchmarked, and whether the package differs from it."""
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True,
+                                  text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "package_changes": git("status", "--porcelain", "--", "keras_keepgrad"),
+        "keras_keepgrad": kg.__version__,
+    }
+
+
 def machine_state():
     cpu = platform.processor()
     try:
@@ -705,6 +721,7 @@ def main(argv=None):
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine_before": machine_state(),
+        "code": code_state(),
         "variants": variants,
         "configs": [],
         "op_counts": [],
