@@ -28,12 +28,13 @@ repeated batch, after a warm-up `fit`, so tracing and XLA compilation are
 excluded; the recompute callback is called after each step as `fit` calls
 it. Also reported: the op counts of the traced `train_step` graphs of a plain
 model, a `KeepGradModel(keep_gradients=False)` and a `KeepGradModel`, and the
-peak RSS of separate subprocesses training a plain and a kept model.
+peak RSS of separate subprocesses training a plain model, a kept one and (in
+full mode) the hand-written one, under a few allocator settings.
 
 Usage:
 
 ```shell
-python benchmarks/overhead.py            # full: 100 rounds, about 15 min
+python benchmarks/overhead.py            # full: 100 rounds, about 25 min
 python benchmarks/overhead.py --quick    # under 3 minutes on 2 cores
 python benchmarks/overhead.py --smoke    # tiny models, 2 rounds (tests)
 ```
@@ -77,7 +78,7 @@ MODES = {
     # variant running about `pass_seconds` of steps per pass.
     "full": dict(rounds=100, passes=3, pass_seconds=0.04, memory_pairs=3,
                  memory_models=("mlp_10m", "embedding"),
-                 memory_allocators=("mmap", "default"),
+                 memory_allocators=("mmap", "default", "mmap-no-onednn"),
                  memory_variants=("plain", "kept", "hand")),
     # Quick: only the variants the targets need (each one is built, traced
     # and XLA-compiled per config, which dominates a short run).
@@ -481,33 +482,36 @@ def memory_child(name, variant, smoke, steps):
 # sees (up to 32 MB): a tensor freed may stay resident, and the peak RSS then
 # measures the allocator's history as much as the live buffers. With a fixed
 # low threshold every large tensor is its own mapping, returned on free.
+# "mmap-no-onednn" also turns off TensorFlow's oneDNN ops, whose buffers make
+# the rest of the difference (seen on tensorflow-cpu 2.21).
 ALLOCATORS = {
     "mmap": {"MALLOC_MMAP_THRESHOLD_": "65536"},
     "default": {},
+    "mmap-no-onednn": {"MALLOC_MMAP_THRESHOLD_": "65536", "TF_ENABLE_ONEDNN_OPTS": "0"},
 }
 
 
 def measure_memory(name, pairs, smoke, log, allocator="mmap",
                    variants=("plain", "kept")):
     """RSS figures of fresh processes training each of `variants`."""
+    variants = list(variants)
     env = dict(os.environ, **ALLOCATORS[allocator])
     records = {v: [] for v in variants}
-    for _ in range(pairs):
-        # All of a set at once: RSS does not depend on the timing.
-        children = {}
-        for variant in variants:
+    for i in range(pairs):
+        # One process at a time: how a step's ops overlap, and so its peak,
+        # changes when processes compete for the cores.
+        shift = i % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
             cmd = [sys.executable, os.path.abspath(__file__), "--memory-child",
                    name, variant, "--steps", "20"]
             if smoke:
                 cmd.append("--smoke")
-            children[variant] = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-            )
-        for variant, child in children.items():
-            stdout, stderr = child.communicate()
+            child = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if child.returncode:
-                raise RuntimeError(f"memory child {name}/{variant} failed:\n{stderr}")
-            records[variant].append(json.loads(stdout.strip().splitlines()[-1]))
+                raise RuntimeError(
+                    f"memory child {name}/{variant} failed:\n{child.stderr}"
+                )
+            records[variant].append(json.loads(child.stdout.strip().splitlines()[-1]))
     mb = 2**20
     params = records["plain"][0]["params"]
     result = {
@@ -623,17 +627,19 @@ def _timing_table(results, ratio_key, beyond_key):
 
 def markdown(results):
     """The results as Markdown tables."""
-    lines = ["Wall time:", ""]
-    lines += _timing_table(results, "ratio", "beyond_control")
-    lines += ["", "Process CPU time (all threads):", ""]
-    lines += _timing_table(results, "cpu_ratio", "cpu_beyond_control")
-    lines += [
-        "",
-        "Cells: median over rounds [interquartile range]. `control`: the second "
-        "plain model's time over plain's, minus 1. Other columns: overhead "
-        "beyond the control, the median of per-round "
-        "`time(variant) / time(plain) - time(control) / time(plain)`.",
-    ]
+    lines = []
+    if results["configs"]:
+        lines += ["Wall time:", ""]
+        lines += _timing_table(results, "ratio", "beyond_control")
+        lines += ["", "Process CPU time (all threads):", ""]
+        lines += _timing_table(results, "cpu_ratio", "cpu_beyond_control")
+        lines += [
+            "",
+            "Cells: median over rounds [interquartile range]. `control`: the "
+            "second plain model's time over plain's, minus 1. Other columns: "
+            "overhead beyond the control, the median of per-round "
+            "`time(variant) / time(plain) - time(control) / time(plain)`.",
+        ]
     if results.get("op_counts"):
         lines += ["", "| model | plain ops | keep_gradients=False ops | kept ops | "
                   "off == plain | extra ops when kept |", "|---|---|---|---|---|---|"]
@@ -683,6 +689,7 @@ def main(argv=None):
                         help="only these variants (plain and control always run)")
     parser.add_argument("--batch-size", type=int,
                         help="override every model's batch size")
+    parser.add_argument("--no-timing", action="store_true")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-ops", action="store_true")
     parser.add_argument("--out", help="JSON path; default benchmarks/results/")
@@ -728,7 +735,7 @@ def main(argv=None):
         "memory": [],
     }
     log(f"mode={mode_name}, rounds={mode['rounds']}, load={os.getloadavg()}")
-    for name in names:
+    for name in names if not args.no_timing else ():
         for jit_compile in jits:
             results["configs"].append(
                 time_config(name, specs[name], jit_compile, mode, variants, log)
