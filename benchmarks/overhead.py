@@ -540,9 +540,10 @@ def measure_memory(name, pairs, smoke, log, allocator="mmap",
     if "hand" in variants:
         result["hand_extra_mb"] = extra("peak_rss_mb", "hand")
         result["hand_extra_training_growth_mb"] = extra("training_growth_mb", "hand")
-    log(f"  memory {name} ({allocator} malloc): extra peak RSS {result['extra_mb']:+.1f} MB, extra growth "
-        f"in training {result['extra_training_growth_mb']} MB, for "
-        f"{result['param_mb']:.1f} MB of parameters")
+    log(f"  memory {name} ({allocator}): kept - plain peak RSS "
+        f"{result['extra_mb']:+.1f} MB, growth in training "
+        f"{result['extra_training_growth_mb']} MB; parameters "
+        f"{result['param_mb']:.1f} MB")
     return result
 
 
