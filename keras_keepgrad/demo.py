@@ -21,6 +21,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_keepgrad as kg  # noqa: E402
+from keras_keepgrad._grad_stats import layer_of  # noqa: E402
 
 VANISHING = 1e-5
 
@@ -60,7 +61,7 @@ class LayerNorms(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         per_layer = {}
         for path, grad in self.model.get_gradients_by_path().items():
-            layer = path.rsplit("/", 1)[0]
+            layer = layer_of(path)
             per_layer[layer] = per_layer.get(layer, 0.0) + float(np.sum(np.square(grad)))
         for layer, sq in per_layer.items():
             self.norms.setdefault(layer, []).append(math.sqrt(sq))

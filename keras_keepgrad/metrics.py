@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from keras_keepgrad import _checks
 from keras_keepgrad import _compat
+from keras_keepgrad import _grad_stats
 from keras_keepgrad import _keeper
 
 __all__ = [
@@ -39,17 +40,11 @@ def _float32(grad):
     return tf.cast(_keeper.densify(grad), tf.float32)
 
 
-def _layer_of(path):
-    """`"block/dense/kernel"` -> `"block/dense"`: the layer owning a variable."""
-    layer, _, _ = path.rpartition("/")
-    return layer or path
-
-
 def _group_by_layer(flat):
     """`{path: x}` -> `{layer: [x, ...]}`, in variable order."""
     groups = {}
     for path, value in flat.items():
-        groups.setdefault(_layer_of(path), []).append(value)
+        groups.setdefault(_grad_stats.layer_of(path), []).append(value)
     return groups
 
 
@@ -338,7 +333,7 @@ class _PerLayerMixin:
             return (self.name,)
         if paths is None:
             return None
-        layers = dict.fromkeys(_layer_of(p) for p in paths)
+        layers = dict.fromkeys(_grad_stats.layer_of(p) for p in paths)
         return tuple(f"{self.name}/{layer}" for layer in layers)
 
     def _per_layer(self, groups, measure):
