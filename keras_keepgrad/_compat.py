@@ -19,6 +19,7 @@ __all__ = [
     "Functional",
     "TensorFlowTrainer",
     "check_backend",
+    "compile_arguments",
     "collective_multi_worker",
     "data_spec_from_epoch_iterator",
     "functional_init_arguments",
@@ -41,6 +42,16 @@ def check_backend(what):
             "KERAS_BACKEND=tensorflow (or `\"backend\": \"tensorflow\"` in "
             "~/.keras/keras.json) before importing keras."
         )
+
+
+def compile_arguments(model):
+    """The arguments `model.compile(...)` was called with, as given.
+
+    Keras 3.15 keeps them, unserialized, in `model._compile_config.config`
+    (`get_compile_config()` returns them serialized, which would rebuild the
+    optimizer and lose its state).
+    """
+    return dict(model._compile_config.config)
 
 
 def data_spec_from_epoch_iterator(epoch_iterator):

@@ -465,7 +465,7 @@ def keep_gradients(model, **options):
     else:
         kept = WrappedKeepGradModel(model, name=model.name, **options)
     if model.compiled:
-        config = dict(model._compile_config.config)
+        config = _compat.compile_arguments(model)
         config["optimizer"] = model.optimizer
         kept.compile(**config)
     return kept
