@@ -1,5 +1,6 @@
 """`KeepGradModel` and `keep_gradients()`: what users call."""
 
+import contextlib
 import types
 import warnings
 
@@ -379,9 +380,36 @@ def _inject_functional(cls):
     return cls
 
 
+def _holds_saveable(value):
+    """Whether Keras's saving would save state found in `value`."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_saveable(item) for item in value)
+    return isinstance(value, _saving.KerasSaveable)
+
+
 @keras.saving.register_keras_serializable(package="keras_keepgrad")
 class WrappedKeepGradModel(KeepGradModel):
-    """What `keep_gradients()` returns for a model that is not functional."""
+    """What `keep_gradients()` returns for a model that is not functional.
+
+    It stands in for the wrapped model (`self.model`) rather than adding a
+    level above it, so that its variables and files look like that model's:
+
+    - It opens no name scope of its own: a wrapped model built by the
+      wrapper's first call names its kernel `"net/dense/kernel"`, as it
+      would when called itself, not `"net/net/dense/kernel"`.
+    - `layers` are the wrapped model's layers, and the wrapped model's
+      attributes that the wrapper does not have are read through it: its
+      public ones and any holding Keras saveables (`kept.dense is
+      model.dense`, `kept.units`, `kept.encode(x)`). Keras's saving walks
+      a model's attributes (`dir(model)`) and saves each saveable under its
+      attribute name, so it writes and reads the same groups for the
+      wrapper as for the wrapped model (`dense/vars/0`, `vars/0` for the
+      wrapped model's own variables, `optimizer/...`): weights files move
+      between the two both ways. The wrapper adds only `_kept_gradients`,
+      which it writes when `save_gradients=True`.
+    """
 
     def __init__(self, model, **kwargs):
         super().__init__(**kwargs)
@@ -394,10 +422,92 @@ class WrappedKeepGradModel(KeepGradModel):
             return self.model(inputs, training=training)
         return self.model(inputs)
 
+    def _open_name_scope(self):
+        # Keras's `Layer.__call__` and `build` open the layer's name scope
+        # around building and calling; the wrapped model opens its own.
+        return contextlib.nullcontext()
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def _obj_type(self):
+        # Keras's saving skips the attributes every object of this type has.
+        return self.model._obj_type()
+
+    def save_own_variables(self, store):
+        self.model.save_own_variables(store)
+
+    def load_own_variables(self, store):
+        self.model.load_own_variables(store)
+
+    def __getattr__(self, name):
+        # Only reached when the wrapper has no attribute `name`: read it from
+        # the wrapped model if it is public or holds Keras saveables (Keras
+        # itself probes private attributes with `hasattr`, and must not find
+        # the wrapped model's, such as the iterators of its own `fit`).
+        model = self.__dict__.get("model")
+        if model is not None and not name.startswith("__"):
+            try:
+                value = getattr(model, name)
+            except AttributeError:
+                pass
+            else:
+                if not name.startswith("_") or _holds_saveable(value):
+                    return value
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute {name!r}"
+        )
+
+    def __dir__(self):
+        names = set(super().__dir__())
+        model = self.__dict__.get("model")
+        if model is None:
+            return sorted(names)
+        names.discard("model")  # saved as this model, not below it
+        for name in dir(model):
+            if name in names or name.startswith("__"):
+                continue
+            if not name.startswith("_"):
+                names.add(name)
+                continue
+            try:
+                value = getattr(model, name)
+            except Exception:
+                continue
+            if _holds_saveable(value):
+                names.add(name)
+        return sorted(names)
+        names.discard("model")  # saved as this model, not below it
+        for name in dir(model):
+            if name in names or name.startswith("__"):
+                continue
+            try:
+                value = getattr(model, name)
+            except Exception:
+                continue
+            if _holds_saveable(value):
+                names.add(name)
+        return sorted(names)
+
     def get_config(self):
         config = super().get_config()
         config["model"] = keras.saving.serialize_keras_object(self.model)
         return config
+
+
+_STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss",
+                 "compute_metrics")
+
+
+def _overridden_steps(cls):
+    """The step methods that `cls` defines outside Keras and this package."""
+    found = []
+    for name in _STEP_METHODS:
+        owner = next(c for c in cls.__mro__ if name in vars(c))
+        if not owner.__module__.startswith(("keras.", "keras_keepgrad.")):
+            found.append(name)
+    return found
 
 
 def keep_gradients(model, **options):
@@ -421,6 +531,11 @@ def keep_gradients(model, **options):
     Raises:
         TypeError: `model` is not a `keras.Model`, or an option is unknown
             or not a bool.
+
+    Warns:
+        UserWarning: `model`'s class overrides `train_step`, `test_step`,
+            `predict_step`, `compute_loss` or `compute_metrics`, which the
+            returned model does not run.
 
     Example:
 
@@ -453,6 +568,17 @@ def keep_gradients(model, **options):
         raise TypeError(
             f"keep_gradients() got unknown options {unknown}. Valid options: "
             f"{list(_OPTIONS)}"
+        )
+    overridden = _overridden_steps(type(model))
+    if overridden:
+        warnings.warn(
+            f"keep_gradients(): {type(model).__name__} overrides {overridden}, "
+            "which the returned model does not run: it trains, evaluates and "
+            "predicts with `KeepGradModel`'s own steps. Define them on a "
+            "subclass of `kg.KeepGradModel` instead (a `train_step` of your "
+            "own replaces the one that keeps gradients; `compute_loss` and "
+            "`compute_metrics` are used by it).",
+            stacklevel=2,
         )
     inputs = outputs = None
     if isinstance(model, (_compat.Functional, keras.Sequential)):

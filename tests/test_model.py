@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import keras
 import numpy as np
@@ -493,6 +494,60 @@ def test_keep_gradients_shares_the_original_variables(kind):
     flat = model.get_gradients_by_path()
     assert list(flat) == [v.path for v in original.trainable_variables]
     np.testing.assert_array_equal(list(flat.values())[0], [[15.0]])
+
+
+def test_a_wrapped_model_shows_its_layers_and_adds_no_name_scope():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__(name="net")
+            self.d = dense_0()
+            self.units = 1
+
+        def call(self, x):
+            return self.d(x)
+
+    original = Net()  # unbuilt: the wrapper's first call builds it
+    model = kg.keep_gradients(original)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
+    assert [v.path for v in model.weights] == ["net/dense_0/kernel"]
+    assert model.d is original.d and model.layers == [original.d]
+    assert model.get_layer("dense_0") is original.d
+    # Public attributes are read through, private ones only if saveable:
+    # Keras probes private ones with `hasattr`, e.g. the compile config that
+    # the original (compiled here) has and an uncompiled wrapper has not.
+    assert model.units == 1
+    bare = kg.keep_gradients(original)
+    original.compile(optimizer="sgd", loss="mse")
+    assert hasattr(original, "_compile_config")
+    with pytest.raises(AttributeError, match="'WrappedKeepGradModel' object has no attribute '_compile_config'"):
+        bare._compile_config
+    assert bare.get_compile_config() == {} and original.get_compile_config()
+    assert {"d", "units"} <= set(dir(model)) and "model" not in dir(model)
+
+
+def test_keep_gradients_warns_about_step_methods_it_will_not_run():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.d = dense_0()
+
+        def call(self, x):
+            return self.d(x)
+
+        def compute_loss(self, *args, **kwargs):
+            return 2.0 * super().compute_loss(*args, **kwargs)
+
+    match = r"keep_gradients\(\): Net overrides \['compute_loss'\], which the returned model does not run"
+    with pytest.warns(UserWarning, match=match):
+        model = kg.keep_gradients(Net())
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
+    (grad,) = model.get_gradients_by_path().values()
+    np.testing.assert_array_equal(grad, [[15.0]])  # not 2 * 15
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kg.keep_gradients(one_weight(cls=keras.Model))  # Keras's own steps
 
 
 def test_keep_gradients_carries_over_compile_and_optimizer_state():

@@ -308,6 +308,80 @@ def test_weights_files_move_between_plain_and_kept_models(tmp_path, kind, save_g
     assert only_grad(kept) == [[3.75]]  # 5 * 0.75
 
 
+class ScaledNet(keras.Model):
+    """A plain subclassed model whose saved groups are named after its
+    attributes: a list of layers (`blocks/dense/vars/0`, a list item named by its class) and a weight of
+    its own (`vars/0`, a non-trainable 1 that leaves the gradient 5w)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = [dense_0()]
+        self.scale = self.add_weight(
+            shape=(), initializer="ones", trainable=False, name="scale")
+
+    def call(self, x):
+        return self.blocks[0](x) * self.scale
+
+
+def scaled_net():
+    model = ScaledNet(name="net")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("save_gradients", [False, True])
+def test_weights_files_move_between_plain_and_wrapped_subclassed_models(
+    tmp_path, save_gradients
+):
+    plain = scaled_net()
+    plain.fit(X, Y, batch_size=2, verbose=0)  # w = 1.5
+    plain.save_weights(tmp_path / "plain.weights.h5")
+    kept = kg.keep_gradients(scaled_net(), save_gradients=save_gradients)
+    kept.fit(X, Y, batch_size=2, verbose=0)  # w = 1.5, gradient 15
+    # Built by their first fit, both name the kernel as the plain model does
+    # (not "net/net/dense_0/kernel").
+    assert [v.path for v in kept.weights] == [v.path for v in plain.weights] == [
+        "net/scale", "net/dense_0/kernel"]
+
+    # The same groups as the plain model's file, with the same arrays.
+    kept.save_weights(tmp_path / "kept.weights.h5")
+    expected = h5_arrays(tmp_path / "plain.weights.h5")
+    assert sorted(expected) == [
+        "blocks/dense/vars/0", "optimizer/vars/0", "optimizer/vars/1", "vars/0"]
+    if save_gradients:
+        expected["_kept_gradients/vars/0:net%2Fdense_0%2Fkernel"] = np.array(
+            [[15.0]], "float32")
+    assert_same_arrays(h5_arrays(tmp_path / "kept.weights.h5"), expected)
+
+    # kept -> plain.
+    other = scaled_net()
+    other.fit(X, Y, batch_size=2, epochs=2, verbose=0)  # w = 0.75, 2 steps
+    other.load_weights(tmp_path / "kept.weights.h5")
+    assert other.get_weights() == [1.0, [[1.5]]]
+    assert int(other.optimizer.iterations) == 1
+
+    # plain -> kept: its next step starts from the loaded weight.
+    plain.fit(X, Y, batch_size=2, verbose=0)  # w = 0.75
+    plain.scale.assign(2.0)
+    plain.save_weights(tmp_path / "plain.weights.h5")
+    kept.load_weights(tmp_path / "plain.weights.h5")
+    assert [w.tolist() for w in kept.get_weights()] == [2.0, [[0.75]]]
+    assert int(kept.optimizer.iterations) == 2
+    kept.fit(X, Y, batch_size=2, verbose=0)
+    assert only_grad(kept) == [[15.0]]  # 5 * scale^2 * w = 5 * 4 * 0.75
+
+
+def test_wrapped_subclassed_archive_holds_the_plain_arrays(tmp_path):
+    plain = scaled_net()
+    plain.fit(X, Y, batch_size=2, verbose=0)
+    plain.save(tmp_path / "plain.keras")
+    kept = kg.keep_gradients(scaled_net())
+    kept.fit(X, Y, batch_size=2, verbose=0)
+    kept.save(tmp_path / "kept.keras")
+    assert_same_arrays(h5_arrays(tmp_path / "kept.keras"),
+                       h5_arrays(tmp_path / "plain.keras"))
+
+
 def test_a_plain_archive_becomes_a_kept_model(tmp_path):
     plain = trained(keras.Model)  # w = 1.5
     plain.save(tmp_path / "plain.keras")
