@@ -163,6 +163,33 @@ class StepCounter:
         return previous
 
 
+class NewGradients:
+    """Tells a callback whether the slots hold gradients it has not read.
+
+    With `keep_every=N` the slots are written on every N-th step only; in
+    between they hold an earlier step's gradients. A callback reads them
+    only when they are new, and labels them with the step they come from.
+    """
+
+    def __init__(self):
+        self._seen = None
+
+    def step_of(self, model, step):
+        """The step the kept gradients come from, or None if already read.
+
+        Args:
+            model: The `KeepGradModel` being trained.
+            step: The callback's current step (`StepCounter.step`).
+        """
+        keeper = model._keeper
+        write, age = (None, 0) if keeper is None else keeper.last_write()
+        if write is not None:
+            if write == self._seen:
+                return None
+            self._seen = write
+        return step - age
+
+
 def crossed(previous, step, freq):
     """Whether the step count passed a multiple of `freq` since `previous`."""
     return step // freq > previous // freq

@@ -379,6 +379,7 @@ class GradientKeeper:
         self.sparse = sparse
         self._slots = {}
         self._step = None  # counts steps, only with `keep_every > 1`
+        self._written = None  # `_step` at the last write, likewise
         # Paths of the variables the current training function writes, in
         # order; None until slots exist.
         self.paths = None
@@ -435,6 +436,8 @@ class GradientKeeper:
         def write():
             for slot, grad in zip(slots, grads):
                 slot.assign(grad)
+            if every > 1:
+                self._written.assign(self._step)
             return tf.constant(True)
 
         if every == 1:
@@ -448,13 +451,36 @@ class GradientKeeper:
         self._step.assign_add(1)
         return grads, reduced
 
+    def last_write(self):
+        """`(write, age)`: which write the slots hold, and from how long ago.
+
+        `age` is the number of training steps run since the one whose
+        gradients the slots hold (0: the last step's). `write` identifies
+        that write (equal values: the same gradients), or is None where
+        every step writes (`keep_every=1`) and the slots always hold the last
+        step's. Also `(None, 0)` before any step.
+        """
+        if self._step is None:
+            return None, 0
+        step = int(self._step.read_value().numpy())
+        written = int(self._written.read_value().numpy())
+        if written < 0:
+            return None, 0
+        return (id(self), written), step - 1 - written
+
     def _create_step_counter(self, strategy):
         def create(*_):
             with tf.init_scope(), strategy.scope():
-                # Each replica counts the steps in its own copy.
+                # Each replica counts the steps in its own copy, and notes
+                # the count at the step it last wrote (-1: none yet).
                 self._step = tf.Variable(
                     tf.constant(0, tf.int64),
                     name="kept_gradient/step",
+                    **_on_read(tf.VariableAggregation.ONLY_FIRST_REPLICA),
+                )
+                self._written = tf.Variable(
+                    tf.constant(-1, tf.int64),
+                    name="kept_gradient/written",
                     **_on_read(tf.VariableAggregation.ONLY_FIRST_REPLICA),
                 )
 

@@ -126,6 +126,8 @@ class GradientMonitor(keras.callbacks.Callback):
         )
         self.events = []
         self._steps = _grad_stats.StepCounter()
+        self._new = _grad_stats.NewGradients()
+        self._step = 0
         self._epoch = 0
 
     def on_train_begin(self, logs=None):
@@ -150,6 +152,9 @@ class GradientMonitor(keras.callbacks.Callback):
             previous, self._steps.step, self.check_freq
         ):
             return
+        self._step = self._new.step_of(self.model, self._steps.step)
+        if self._step is None:
+            return  # `keep_every`: nothing kept since the last check
         norms = self._norms(self.model.get_gradients_by_path())
         if self.check_nonfinite:
             self._check_nonfinite(norms)
@@ -245,7 +250,7 @@ class GradientMonitor(keras.callbacks.Callback):
         )
 
     def _report(self, kind, indices, text):
-        step = self._steps.step
+        step = self._step
         message = f"Step {step}: {text}"
         self.events.append(
             {

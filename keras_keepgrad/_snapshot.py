@@ -79,6 +79,7 @@ class GradientSnapshot(keras.callbacks.Callback):
             ) from error
         self.files = []
         self._steps = _grad_stats.StepCounter()
+        self._new = _grad_stats.NewGradients()
         self._epoch = 0
 
     def on_train_begin(self, logs=None):
@@ -114,7 +115,9 @@ class GradientSnapshot(keras.callbacks.Callback):
     def _write(self):
         if not self._paths:
             return
-        step = self._steps.step
+        step = self._new.step_of(self.model, self._steps.step)
+        if step is None:
+            return  # `keep_every`: nothing kept since the last file
         filename = self.path.format(step=step, epoch=self._epoch + 1)
         arrays = {}
         for path, grad in self.model.get_gradients_by_path().items():

@@ -100,6 +100,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         )
         self.write_heatmap = _checks.check_bool("write_heatmap", write_heatmap)
         self._steps = _grad_stats.StepCounter()
+        self._new = _grad_stats.NewGradients()
         self._norms = None
         self._heatmap = None
         self._layout_written = False
@@ -199,7 +200,9 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
     def _record(self):
         if not self._norms.paths:
             return
-        step = self._steps.step
+        step = self._new.step_of(self.model, self._steps.step)
+        if step is None:
+            return  # `keep_every`: nothing kept since the last record
         norms = self._norms(self.model.get_gradients_by_path())
         values = list(norms.layer_norms) + [norms.global_norm, float(norms.nonfinite)]
         optimizer = self.model.optimizer

@@ -11,6 +11,16 @@ callbacks see the gradients of the last of the N batches, and the step
 advances by N. "Every k batches" means whenever the step passes a multiple
 of k. Validation batches never change the kept gradients.
 
+`keep_every=N`. The slots are then written on training steps 1, 1 + N, ...
+only, and hold the last written step's gradients in between. Each callback
+reads a written step once, at its first check after it, and labels it with
+that step: `GradientTensorBoard` writes the scalars (and heatmap column) at
+it, `GradientSnapshot` names the file after it, `GradientMonitor` reports it.
+A check that finds nothing new since the last one does nothing: with
+`update_freq=1` and `keep_every=10`, scalars appear at steps 1, 11, 21, ...;
+`vanishing_steps` counts the checks that read new gradients. Epoch
+histograms show the epoch's last written step.
+
 Layers. Per-layer values group variables by their path minus the last
 component (`"dense_0/kernel"` and `"dense_0/bias"` make layer `"dense_0"`;
 `"encoder/dense/kernel"` makes `"encoder/dense"`), in the order of

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 
 import keras
 import numpy as np
@@ -482,6 +483,48 @@ def test_snapshot_files_equal_the_kept_gradients(tmp_path):
         assert int(data["step"]) == 8
         np.testing.assert_array_equal(data["dense_1/kernel"], recorder.grads[-1]["dense_1/kernel"])
     assert not glob.glob(str(tmp_path / "**" / "*.tmp"), recursive=True)
+
+
+def test_keep_every_callbacks_read_each_kept_step_once_at_its_step(tmp_path):
+    # keep_every=2 writes the slots on steps 1, 3 and 5 only: 5w = 15, 3.75
+    # and 0.9375 (w halves every step). Between writes the slots hold the
+    # last written step; callbacks read each written step once, at its step.
+    inputs = keras.Input((1,))
+    outputs = keras.layers.Dense(
+        1, use_bias=False, kernel_initializer=keras.initializers.Constant(3.0),
+        name="dense_0")(inputs)
+    model = kg.KeepGradModel(inputs, outputs, keep_every=2)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                  metrics=[kg.metrics.GradientNorm(reduction="mean")])
+    board = callbacks.GradientTensorBoard(tmp_path / "logs", update_freq=1)
+    snapshot = callbacks.GradientSnapshot(tmp_path / "snap" / "{step}.npz", every=1)
+    # 15 and 3.75 are below 20; vanishing for 2 checks in a row is reported
+    # at step 3, not at step 2 (a second look at step 1's gradients).
+    monitor = callbacks.GradientMonitor(vanishing_threshold=20.0, vanishing_steps=2)
+    recorder = Recorder()
+    x, y = hand_data(5)
+    # (`pytest.warns` would re-raise Keras's TensorBoard deprecation warnings.)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(
+            x, y, batch_size=2, epochs=1, shuffle=False, verbose=0,
+            callbacks=[board, snapshot, monitor, recorder])
+    assert [str(w.message)[:46] for w in caught if w.category is UserWarning] == [
+        "GradientMonitor: Step 3: vanishing gradients: "]
+    assert [float(g["dense_0/kernel"][0, 0]) for g in recorder.grads] == [
+        15.0, 15.0, 3.75, 3.75, 0.9375]
+    expected = [(1, 15.0), (3, 3.75), (5, 0.9375)]
+    acc = read_run(str(tmp_path / "logs" / "train"))
+    assert scalars(acc, "gradients/layer_norm/dense_0") == expected
+    assert [os.path.basename(f) for f in snapshot.files] == ["1.npz", "3.npz", "5.npz"]
+    for filename, (step, value) in zip(snapshot.files, expected):
+        with np.load(filename) as data:
+            assert int(data["step"]) == step
+            assert data["dense_0/kernel"].tolist() == [[value]]
+    assert [(e["kind"], e["step"]) for e in monitor.events] == [("vanishing", 3)]
+    # Metrics see every step's gradients, written or not: the epoch's mean is
+    # (15 + 7.5 + 3.75 + 1.875 + 0.9375) / 5, not (15 + 15 + 3.75 + ...) / 5.
+    assert history.history["grad_norm"] == [5.8125]
 
 
 def test_snapshot_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
