@@ -276,12 +276,16 @@ def test_keep_gradients_false_ignores_saved_gradients(tmp_path):
 # --- plain <-> kept -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["functional", "sequential"])
+@pytest.mark.parametrize("kind", ["functional", "sequential", "sequential_without_input"])
 @pytest.mark.parametrize("save_gradients", [False, True])
 def test_weights_files_move_between_plain_and_kept_models(tmp_path, kind, save_gradients):
-    def plain_model():
+    def plain_model(built=True):
         if kind == "sequential":
             model = keras.Sequential([keras.Input((1,)), dense_0()])
+        elif kind == "sequential_without_input":
+            model = keras.Sequential([dense_0()])
+            if built:  # Keras loads weights into built models only
+                model.build((None, 1))
         else:
             inputs = keras.Input((1,))
             model = keras.Model(inputs, dense_0()(inputs))
@@ -289,7 +293,10 @@ def test_weights_files_move_between_plain_and_kept_models(tmp_path, kind, save_g
         return model
 
     # kept -> plain, even with the gradients in the file.
-    kept = kg.keep_gradients(plain_model(), save_gradients=save_gradients)
+    kept = kg.keep_gradients(plain_model(built=False), save_gradients=save_gradients)
+    # An unbuilt Sequential has no inputs yet, so it is wrapped.
+    wrapped = kind == "sequential_without_input"
+    assert isinstance(kept, kg.model.WrappedKeepGradModel) == wrapped
     kept.fit(X, Y, batch_size=2, verbose=0)
     kept.save_weights(tmp_path / "kept.weights.h5")
     saved = saved_gradients(tmp_path / "kept.weights.h5")
