@@ -279,9 +279,10 @@ class KeepGradModel(keras.Model):
         kept, grads, (x, y, y_pred, sample_weight) = self._unscaled_gradients(
             data, variables
         )
-        kept, reduced = self._keeper.store(
+        kept, reduced, writes = self._keeper.store(
             variables, kept, self.distribute_strategy, every=self._keep_every
         )
+        grads = _keeper.after(writes, grads)
         grads = _keeper.agree_on_skip(self.optimizer, grads)
         self.optimizer.apply_gradients(zip(grads, variables))
         flat = {v.path: g for v, g in zip(variables, kept)}

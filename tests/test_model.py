@@ -409,6 +409,44 @@ def test_off_traces_exactly_the_ops_of_a_plain_model():
     assert kept.count("AssignVariableOp") == plain.count("AssignVariableOp") + 1
 
 
+def test_each_update_comes_after_its_slot_write():
+    # The optimizer's update of a variable reads the gradient after its slot
+    # write, so the update may reuse the gradient's buffer (one extra buffer
+    # in memory, not two; see `_keeper.after`).
+    inputs = keras.Input((2,))
+    hidden = keras.layers.Dense(3, name="a")(inputs)
+    model = kg.KeepGradModel(inputs, keras.layers.Dense(1, name="b")(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(np.ones((2, 2)), np.zeros((2, 1)), verbose=0)
+    spec = (tf.TensorSpec((2, 2)), tf.TensorSpec((2, 1)))
+    graph = tf.function(model.train_step).get_concrete_function(spec).graph
+    captured = {id(outer): inner.op for outer, inner in graph.captures}
+
+    def handle_op(variable):
+        variable = variable.value if isinstance(variable, keras.Variable) else variable
+        return captured[id(variable.handle)]
+
+    def ops_on(handle, op_type):
+        return [op for op in handle.outputs[0].consumers() if op.type == op_type]
+
+    def ancestors(op):
+        seen, stack = set(), [op]
+        while stack:
+            current = stack.pop()
+            for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+                if parent not in seen:
+                    seen.add(parent)
+                    stack.append(parent)
+        return seen
+
+    slots = model._keeper.slot_variables()
+    writes = [ops_on(handle_op(s), "AssignVariableOp") for s in slots]
+    assert [len(w) for w in writes] == [1, 1, 1, 1]
+    for variable, (write,) in zip(model.trainable_variables, writes):
+        (update,) = ops_on(handle_op(variable), "AssignSubVariableOp")
+        assert write in ancestors(update), variable.path
+
+
 def test_kept_gradients_are_not_weights_nor_checkpointed(tmp_path):
     model = one_weight()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
