@@ -11,6 +11,7 @@ variable wait for its slot write, and readers densify on read.
 """
 
 import contextlib
+import itertools
 import re
 import threading
 
@@ -91,12 +92,13 @@ def after(writes, grads):
     gradient's buffer, so that the update allocates a fresh one: a second
     parameter-sized buffer in peak memory (10M-parameter MLP, peak RSS over
     plain Keras: +38 to +43 MiB ordered, +39 to +82 MiB unordered, for
-    40 MiB of parameters; step time unchanged within noise). Each gradient waits
-    for its own write only (Keras 3.15's optimizers start updating once all
-    gradients exist anyway). `tf.identity` aliases, copies nothing.
+    40 MiB of parameters; step time unchanged within noise). Each gradient
+    waits for its own write only (Keras 3.15's optimizers start updating
+    once all gradients exist anyway). `tf.identity` aliases, copies nothing.
 
     Args:
-        writes: Per gradient, the list of ops that wrote it.
+        writes: Per gradient, a list of the ops (or tensors) that must run
+            before the optimizer reads it.
         grads: The gradients the optimizer is to receive.
     """
     if tf.executing_eagerly():
@@ -403,6 +405,9 @@ class _Slot:
         return copies[0]
 
 
+_KEEPER_SERIALS = itertools.count()
+
+
 class GradientKeeper:
     """Owns one model's gradient slots, keyed by variable path.
 
@@ -419,6 +424,7 @@ class GradientKeeper:
 
     def __init__(self, sparse=True):
         self.sparse = sparse
+        self._serial = next(_KEEPER_SERIALS)  # tells keepers apart in `last_write`
         self._slots = {}
         self._step = None  # counts steps, only with `keep_every > 1`
         self._written = None  # `_step` at the last write, likewise
@@ -468,8 +474,9 @@ class GradientKeeper:
         Returns:
             `(grads, reduced, writes)`: the gradients as this replica now
             holds them, whether they are the global ones, and for each
-            gradient the ops that wrote it (for `after`; None when executing
-            eagerly, none with `every > 1`).
+            gradient the ops that wrote it, or with `every > 1` the
+            conditional write of all (for `after`; None when executing
+            eagerly).
         """
         reduced = reduces_in_step(strategy)
         if reduced:
@@ -487,11 +494,11 @@ class GradientKeeper:
             return grads, reduced, [slot.assign(g) for slot, g in zip(slots, grads)]
         if self._step is None:
             self._create_step_counter(strategy)
-        tf.cond(
+        wrote = tf.cond(
             tf.equal(self._step % every, 0), write, lambda: tf.constant(False)
         )
         self._step.assign_add(1)
-        return grads, reduced, [[] for _ in grads]
+        return grads, reduced, [[wrote]] * len(grads)
 
     def last_write(self):
         """`(write, age)`: which write the slots hold, and from how long ago.
@@ -508,7 +515,7 @@ class GradientKeeper:
         written = int(self._written.read_value().numpy())
         if written < 0:
             return None, 0
-        return (id(self), written), step - 1 - written
+        return (self._serial, written), step - 1 - written
 
     def _create_step_counter(self, strategy):
         def create(*_):

@@ -444,9 +444,9 @@ class WrappedKeepGradModel(KeepGradModel):
 
     def __getattr__(self, name):
         # Only reached when the wrapper has no attribute `name`: read it from
-        # the wrapped model if it is public or holds Keras saveables (Keras
-        # itself probes private attributes with `hasattr`, and must not find
-        # the wrapped model's, such as the iterators of its own `fit`).
+        # the wrapped model if it is public or holds Keras saveables. Keras
+        # probes private attributes with `hasattr` (`_compile_config`, ...)
+        # and must not find the wrapped model's.
         model = self.__dict__.get("model")
         if model is not None and not name.startswith("__"):
             try:
