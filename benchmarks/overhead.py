@@ -10,6 +10,11 @@ their interquartile range (IQR) as the "overhead beyond control": the median
 over rounds of `ratio(variant) - ratio(control)`, where the control is a
 second, identical plain `keras.Model` (its ratio is 1 up to noise and order
 effects). Wall time is the measure; the process CPU time is reported too.
+With `--instances K`, each variant is K separate model objects, timed in
+turn, and a round's time of the variant is the mean of theirs: one model
+object can be persistently a few percent faster or slower than an identical
+one in the same process (seen with the embedding model), which more rounds
+do not average out.
 
 Variants (all with the same initial weights, `Adam`, the same batch):
 
@@ -40,7 +45,12 @@ python benchmarks/overhead.py --smoke    # tiny models, 2 rounds (tests)
 ```
 
 Results are printed as Markdown tables and written as JSON to
-`benchmarks/results/overhead-<mode>.json` (or `--out`).
+`benchmarks/results/overhead-<mode>.json` (or `--out`), rewritten after each
+measurement with `"complete": false` until the run ends.
+
+Do not edit `keras_keepgrad/` while a run is going: TensorFlow's autograph
+reads a function's source file when it first traces it, so a later trace
+can convert code that is no longer what was imported.
 """
 
 import argparse
@@ -325,49 +335,66 @@ def time_config(name, spec, jit_compile, mode, variants, log):
     x = make_x(rng, batch_size)
     y = rng.integers(0, 10, (batch_size,)).astype("int32")
     batch = (tf.constant(x), tf.constant(y))
+    instances = mode.get("instances", 1)
     entries = {}
     t0 = time.perf_counter()
     keras.utils.set_random_seed(0)
     weights = keras.Model(*build()).get_weights()
-    for variant in variants:
-        entries[variant] = make_variant(variant, build, batch, jit_compile, weights)
+    # Interleaved: instance i of every variant is built before instance i+1.
+    keys = [(v, i) for i in range(instances) for v in variants]
+    for variant, i in keys:
+        entries[variant, i] = make_variant(variant, build, batch, jit_compile, weights)
     for entry in entries.values():
         warm_up(*entry)
-    params = int(sum(np.prod(v.shape) for v in entries["plain"][0].trainable_variables))
+    plain = entries["plain", 0]
+    params = int(sum(np.prod(v.shape) for v in plain[0].trainable_variables))
     # Steps per pass: about `pass_seconds` of plain training.
-    one = min(run_steps(*entries["plain"], 3)[0] / 3 for _ in range(2))
+    one = min(run_steps(*plain, 3)[0] / 3 for _ in range(2))
     steps = max(1, int(round(mode["pass_seconds"] / one)))
-    log(f"  {name} jit={jit_compile}: {params:,} params, built in "
-        f"{time.perf_counter() - t0:.1f}s, {one * 1e3:.2f} ms/step, {steps} steps/pass")
+    log(f"  {name} jit={jit_compile}: {params:,} params, {instances} instance(s) "
+        f"per variant built in {time.perf_counter() - t0:.1f}s, "
+        f"{one * 1e3:.2f} ms/step, {steps} steps/pass")
     passes = mode["passes"]
-    raw = {v: np.zeros((mode["rounds"], passes, 2)) for v in variants}
+    raw = {key: np.zeros((mode["rounds"], passes, 2)) for key in keys}
     for r in range(mode["rounds"]):
         gc.collect()
         gc.disable()  # no collection inside a timed block
         try:
             for p in range(passes):
-                shift = (r * passes + p) % len(variants)
-                for variant in variants[shift:] + variants[:shift]:
-                    raw[variant][r, p] = run_steps(*entries[variant], steps)
+                shift = (r * passes + p) % len(keys)
+                for key in keys[shift:] + keys[:shift]:
+                    raw[key][r, p] = run_steps(*entries[key], steps)
         finally:
             gc.enable()
-    # A round's time of a variant: its fastest pass, the one least slowed
-    # by other processes (interference only ever adds time).
-    wall = {v: t[:, :, 0].min(axis=1) / steps for v, t in raw.items()}
-    cpu = {v: t[:, :, 1].min(axis=1) / steps for v, t in raw.items()}
+    # A round's time of an instance: its fastest pass, the one least slowed
+    # by other processes (interference only ever adds time). A variant's:
+    # the mean over its instances, which averages out what makes one model
+    # object persistently faster or slower than an identical one (where its
+    # buffers landed): within a process that effect does not average out
+    # over rounds.
+    fastest = {key: t.min(axis=1) / steps for key, t in raw.items()}
+    wall = {v: np.mean([fastest[v, i][:, 0] for i in range(instances)], axis=0)
+            for v in variants}
+    cpu = {v: np.mean([fastest[v, i][:, 1] for i in range(instances)], axis=0)
+           for v in variants}
     result = {
         "model": name,
         "jit_compile": jit_compile,
         "params": params,
         "param_mb": params * 4 / 2**20,
         "batch_size": batch_size,
+        "instances": instances,
         "steps_per_pass": steps,
         "passes_per_round": passes,
         "rounds": mode["rounds"],
         "step_ms": {v: float(np.median(ts) * 1e3) for v, ts in wall.items()},
         "seconds_per_step": {v: [float(t) for t in ts] for v, ts in wall.items()},
-        # [round][pass] = [wall, cpu] seconds per step, before the min.
-        "pass_seconds_per_step": {v: (t / steps).tolist() for v, t in raw.items()},
+        # [instance][round][pass] = [wall, cpu] seconds per step, before the
+        # min over passes and the mean over instances.
+        "pass_seconds_per_step": {
+            v: [(raw[v, i] / steps).tolist() for i in range(instances)]
+            for v in variants
+        },
         "cpu_seconds_per_step": {v: [float(t) for t in ts] for v, ts in cpu.items()},
     }
     result.update(summarize(wall))
@@ -683,6 +710,9 @@ def main(argv=None):
     group.add_argument("--quick", action="store_true", help="12 rounds, < 3 min")
     group.add_argument("--smoke", action="store_true", help="tiny models, 2 rounds")
     parser.add_argument("--rounds", type=int, help="override the number of rounds")
+    parser.add_argument("--instances", type=int,
+                        help="model objects per variant, timed in turn and "
+                             "averaged (default 1)")
     parser.add_argument("--models", nargs="+", help="only these models")
     parser.add_argument("--jit", choices=("off", "on", "both"),
                         help="jit_compile off, on or both; default both (smoke: off)")
@@ -707,6 +737,8 @@ def main(argv=None):
     mode = dict(MODES[mode_name])
     if args.rounds:
         mode["rounds"] = args.rounds
+    if args.instances:
+        mode["instances"] = args.instances
     variants = list(args.variants or mode.get("variants", VARIANTS))
     variants = ["plain", "control"] + [v for v in variants if v not in ("plain", "control")]
     specs = model_specs(args.smoke)
@@ -735,16 +767,30 @@ def main(argv=None):
         "op_counts": [],
         "memory": [],
     }
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"overhead-{mode_name}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+
+    def save(complete=False):
+        # After every measurement: a failure later (or an interrupted run)
+        # keeps what was measured, marked incomplete.
+        results["complete"] = complete
+        results["seconds"] = time.perf_counter() - started
+        with open(out + ".tmp", "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(out + ".tmp", out)
+
     log(f"mode={mode_name}, rounds={mode['rounds']}, load={os.getloadavg()}")
     for name in names if not args.no_timing else ():
         for jit_compile in jits:
             results["configs"].append(
                 time_config(name, specs[name], jit_compile, mode, variants, log)
             )
+            save()
     log(f"  timing done at {time.perf_counter() - started:.0f}s")
     if not args.no_ops:
         for name in names:
             results["op_counts"].append(op_counts(name, specs[name]))
+        save()
         log(f"  op counts done at {time.perf_counter() - started:.0f}s")
     if not args.no_memory:
         for allocator in mode.get("memory_allocators", ("mmap",)):
@@ -754,15 +800,12 @@ def main(argv=None):
                         name, mode["memory_pairs"], args.smoke, log, allocator,
                         mode.get("memory_variants", ("plain", "kept")),
                     ))
+                    save()
     results["machine_after"] = machine_state()
-    results["seconds"] = time.perf_counter() - started
+    save(complete=True)
 
     table = markdown(results)
     print(table)
-    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"overhead-{mode_name}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
     log(f"wrote {out} in {results['seconds']:.0f}s; load now {os.getloadavg()}")
     return results
 

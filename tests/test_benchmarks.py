@@ -18,7 +18,7 @@ def test_overhead_smoke_writes_every_promised_number(tmp_path):
     out = tmp_path / "smoke.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "overhead.py"),
-         "--smoke", "--out", str(out)],
+         "--smoke", "--instances", "2", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -29,7 +29,7 @@ def test_overhead_smoke_writes_every_promised_number(tmp_path):
     assert "| model | params | batch | jit |" in proc.stdout
     results = json.loads(out.read_text())
 
-    assert results["mode"] == "smoke"
+    assert results["mode"] == "smoke" and results["complete"] is True
     assert results["variants"] == VARIANTS
     assert results["machine_before"]["cpu_count"] >= 1
     assert len(results["machine_after"]["loadavg"]) == 3
@@ -43,11 +43,19 @@ def test_overhead_smoke_writes_every_promised_number(tmp_path):
     for config in configs.values():
         assert config["rounds"] == 2 and config["passes_per_round"] == 2
         assert config["steps_per_pass"] >= 1
-        for variant, passes in config["pass_seconds_per_step"].items():
-            assert len(passes) == 2 and all(len(p) == 2 for p in passes)
-            # A round's time is its fastest pass; [wall, cpu] per pass.
+        assert config["instances"] == 2
+        for variant, per_instance in config["pass_seconds_per_step"].items():
+            # [instance][round][pass] = [wall, cpu]
+            assert len(per_instance) == 2
+            for passes in per_instance:
+                assert len(passes) == 2 and all(len(p) == 2 for p in passes)
+            # An instance's round time is its fastest pass; a variant's, the
+            # mean over its instances.
+            first, second = (
+                [min(wall for wall, _ in rnd) for rnd in passes] for passes in per_instance
+            )
             assert config["seconds_per_step"][variant] == [
-                min(wall for wall, _ in rnd) for rnd in passes
+                (a + b) / 2 for a, b in zip(first, second)
             ]
         for key in ("seconds_per_step", "cpu_seconds_per_step"):
             assert set(config[key]) == set(VARIANTS)
