@@ -17,6 +17,7 @@ from keras.src.models.model import functional_init_arguments
 
 __all__ = [
     "Functional",
+    "MODEL_STATE_ATTRIBUTES",
     "TensorFlowTrainer",
     "check_backend",
     "compile_arguments",
@@ -26,6 +27,17 @@ __all__ = [
     "in_symbolic_build",
     "unscale_loss_for_distribution",
 ]
+
+
+# Attributes Keras 3.15 sets on a model only as it compiles (`optimizer`,
+# `stop_training`), fits (`history`), evaluates or predicts, and then reads
+# with `hasattr` / `getattr(..., default)`. A wrapper must not show its
+# wrapped model's: they describe that model's own training, not the
+# wrapper's. (The private ones, `_compile_config`, `_eval_epoch_iterator`, ...,
+# are not read through anyway.)
+MODEL_STATE_ATTRIBUTES = frozenset(
+    ["optimizer", "stop_training", "history", "stop_evaluating", "stop_predicting"]
+)
 
 
 def check_backend(what):

@@ -394,34 +394,37 @@ def _holds_saveable(value):
 class WrappedKeepGradModel(KeepGradModel):
     """What `keep_gradients()` returns for a model that is not functional.
 
-    It stands in for the wrapped model (`self.model`) rather than adding a
-    level above it, so that its variables and files look like that model's:
+    It stands in for the wrapped model rather than adding a level above it,
+    so that its variables and files look like that model's:
 
     - It opens no name scope of its own: a wrapped model built by the
       wrapper's first call names its kernel `"net/dense/kernel"`, as it
       would when called itself, not `"net/net/dense/kernel"`.
     - `layers` are the wrapped model's layers, and the wrapped model's
       attributes that the wrapper does not have are read through it: its
-      public ones and any holding Keras saveables (`kept.dense is
-      model.dense`, `kept.units`, `kept.encode(x)`). Keras's saving walks
-      a model's attributes (`dir(model)`) and saves each saveable under its
-      attribute name, so it writes and reads the same groups for the
-      wrapper as for the wrapped model (`dense/vars/0`, `vars/0` for the
-      wrapped model's own variables, `optimizer/...`): weights files move
-      between the two both ways. The wrapper adds only `_kept_gradients`,
-      which it writes when `save_gradients=True`.
+      public ones (except those Keras sets on any model as it compiles and
+      trains it, such as `optimizer`) and private ones holding Keras
+      saveables (`kept.dense is model.dense`, `kept.units`,
+      `kept.encode(x)`). The wrapped model itself is kept under a private
+      name, so an attribute `model` of its own reads through too.
+    - Keras's saving walks a model's attributes (`dir(model)`) and saves
+      each saveable under its attribute name, so it writes and reads the
+      same groups for the wrapper as for the wrapped model (`dense/vars/0`,
+      `vars/0` for the wrapped model's own variables, `optimizer/...`):
+      weights files move between the two both ways. The wrapper adds only
+      `_kept_gradients`, which it writes when `save_gradients=True`.
     """
 
     def __init__(self, model, **kwargs):
         super().__init__(**kwargs)
         if isinstance(model, dict):
             model = keras.saving.deserialize_keras_object(model)
-        self.model = model
+        self._wrapped = model
 
     def call(self, inputs, training=None):
-        if self.model._call_has_training_arg:
-            return self.model(inputs, training=training)
-        return self.model(inputs)
+        if self._wrapped._call_has_training_arg:
+            return self._wrapped(inputs, training=training)
+        return self._wrapped(inputs)
 
     def _open_name_scope(self):
         # Keras's `Layer.__call__` and `build` open the layer's name scope
@@ -430,31 +433,37 @@ class WrappedKeepGradModel(KeepGradModel):
 
     @property
     def layers(self):
-        return self.model.layers
+        return self._wrapped.layers
 
     def _obj_type(self):
         # Keras's saving skips the attributes every object of this type has.
-        return self.model._obj_type()
+        return self._wrapped._obj_type()
 
     def save_own_variables(self, store):
-        self.model.save_own_variables(store)
+        self._wrapped.save_own_variables(store)
 
     def load_own_variables(self, store):
-        self.model.load_own_variables(store)
+        self._wrapped.load_own_variables(store)
+
+    def _reads_through(self, name, value):
+        """Whether the wrapped model's attribute `name` shows on the wrapper."""
+        if name.startswith("__") or name in _compat.MODEL_STATE_ATTRIBUTES:
+            return False
+        return not name.startswith("_") or _holds_saveable(value)
 
     def __getattr__(self, name):
-        # Only reached when the wrapper has no attribute `name`: read it from
-        # the wrapped model if it is public or holds Keras saveables. Keras
-        # probes private attributes with `hasattr` (`_compile_config`, ...)
-        # and must not find the wrapped model's.
-        model = self.__dict__.get("model")
+        # Only reached when normal lookup fails. A property of the wrapper
+        # that raised AttributeError raises it again, with its own message.
+        if hasattr(type(self), name):
+            return object.__getattribute__(self, name)
+        model = self.__dict__.get("_wrapped")
         if model is not None and not name.startswith("__"):
             try:
                 value = getattr(model, name)
             except AttributeError:
                 pass
             else:
-                if not name.startswith("_") or _holds_saveable(value):
+                if self._reads_through(name, value):
                     return value
         raise AttributeError(
             f"{type(self).__name__!r} object has no attribute {name!r}"
@@ -462,24 +471,10 @@ class WrappedKeepGradModel(KeepGradModel):
 
     def __dir__(self):
         names = set(super().__dir__())
-        model = self.__dict__.get("model")
+        model = self.__dict__.get("_wrapped")
         if model is None:
             return sorted(names)
-        names.discard("model")  # saved as this model, not below it
-        for name in dir(model):
-            if name in names or name.startswith("__"):
-                continue
-            if not name.startswith("_"):
-                names.add(name)
-                continue
-            try:
-                value = getattr(model, name)
-            except Exception:
-                continue
-            if _holds_saveable(value):
-                names.add(name)
-        return sorted(names)
-        names.discard("model")  # saved as this model, not below it
+        names.discard("_wrapped")  # saved as this model, not below it
         for name in dir(model):
             if name in names or name.startswith("__"):
                 continue
@@ -487,13 +482,13 @@ class WrappedKeepGradModel(KeepGradModel):
                 value = getattr(model, name)
             except Exception:
                 continue
-            if _holds_saveable(value):
+            if self._reads_through(name, value):
                 names.add(name)
         return sorted(names)
 
     def get_config(self):
         config = super().get_config()
-        config["model"] = keras.saving.serialize_keras_object(self.model)
+        config["model"] = keras.saving.serialize_keras_object(self._wrapped)
         return config
 
 

@@ -409,25 +409,33 @@ def test_off_traces_exactly_the_ops_of_a_plain_model():
     assert kept.count("AssignVariableOp") == plain.count("AssignVariableOp") + 1
 
 
-def test_each_update_comes_after_its_slot_write():
+@pytest.mark.parametrize("kind", ["dense", "embedding", "keep_every"])
+def test_each_update_comes_after_its_slot_write(kind):
     # The optimizer's update of a variable reads the gradient after its slot
     # write, so the update may reuse the gradient's buffer (one extra buffer
-    # in memory, not two; see `_keeper.after`).
-    inputs = keras.Input((2,))
-    hidden = keras.layers.Dense(3, name="a")(inputs)
-    model = kg.KeepGradModel(inputs, keras.layers.Dense(1, name="b")(hidden))
+    # in memory, not two; see `_keeper.after`). A sparse slot is written as
+    # values and indices; with keep_every the writes sit in one conditional.
+    if kind == "embedding":
+        inputs = keras.Input((2,), dtype="int32")
+        hidden = keras.layers.Flatten()(keras.layers.Embedding(5, 3, name="a")(inputs))
+        x = np.array([[1, 2], [2, 3]], "int32")
+    else:
+        inputs = keras.Input((2,))
+        hidden = keras.layers.Dense(3, name="a")(inputs)
+        x = np.ones((2, 2), "float32")
+    options = dict(keep_every=2) if kind == "keep_every" else {}
+    model = kg.KeepGradModel(inputs, keras.layers.Dense(1, name="b")(hidden), **options)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    model.fit(np.ones((2, 2)), np.zeros((2, 1)), verbose=0)
-    spec = (tf.TensorSpec((2, 2)), tf.TensorSpec((2, 1)))
+    model.fit(x, np.zeros((2, 1)), verbose=0)
+    spec = (tf.TensorSpec((2, 2), x.dtype), tf.TensorSpec((2, 1)))
     graph = tf.function(model.train_step).get_concrete_function(spec).graph
     captured = {id(outer): inner.op for outer, inner in graph.captures}
 
-    def handle_op(variable):
+    def writers(variable):
+        """The ops that take `variable`'s handle, other than plain reads."""
         variable = variable.value if isinstance(variable, keras.Variable) else variable
-        return captured[id(variable.handle)]
-
-    def ops_on(handle, op_type):
-        return [op for op in handle.outputs[0].consumers() if op.type == op_type]
+        handle = captured[id(variable.handle)].outputs[0]
+        return [op for op in handle.consumers() if op.type != "ReadVariableOp"]
 
     def ancestors(op):
         seen, stack = set(), [op]
@@ -439,12 +447,18 @@ def test_each_update_comes_after_its_slot_write():
                     stack.append(parent)
         return seen
 
-    slots = model._keeper.slot_variables()
-    writes = [ops_on(handle_op(s), "AssignVariableOp") for s in slots]
-    assert [len(w) for w in writes] == [1, 1, 1, 1]
-    for variable, (write,) in zip(model.trainable_variables, writes):
-        (update,) = ops_on(handle_op(variable), "AssignSubVariableOp")
-        assert write in ancestors(update), variable.path
+    slots = model._keeper._slots
+    for variable in model.trainable_variables:
+        slot = slots[variable.path]
+        writes = writers(slot.values)
+        if slot.indices is not None:
+            writes += writers(slot.indices)
+        expected = {"dense": ["AssignVariableOp"], "keep_every": ["If"]}.get(
+            kind, ["AssignVariableOp", "AssignVariableOp"] if variable.path == "a/embeddings"
+            else ["AssignVariableOp"])
+        assert [w.type for w in writes] == expected, variable.path
+        (update,) = writers(variable)
+        assert set(writes) <= ancestors(update), variable.path
 
 
 def test_kept_gradients_are_not_weights_nor_checkpointed(tmp_path):
@@ -562,6 +576,39 @@ def test_a_wrapped_model_shows_its_layers_and_adds_no_name_scope():
         bare._compile_config
     assert bare.get_compile_config() == {} and original.get_compile_config()
     assert {"d", "units"} <= set(dir(model)) and "model" not in dir(model)
+
+
+def test_a_wrapper_keeps_its_own_training_state_and_property_errors():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__(name="net")
+            self.d = dense_0()
+
+        def call(self, x):
+            return self.d(x)
+
+    original = Net()
+    bare = kg.keep_gradients(original)  # neither is compiled
+    original.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    original.fit(X, Y, batch_size=2, verbose=0)
+    # What Keras sets on the original as it trains it is not the wrapper's.
+    for name in ("optimizer", "history", "stop_training"):
+        assert hasattr(original, name) and not hasattr(bare, name), name
+
+    # A compiled original: the wrapper gets the same optimizer object, as
+    # its own; compiling the original again does not change the wrapper's.
+    kept = kg.keep_gradients(original)
+    sgd = original.optimizer
+    original.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+    assert kept.optimizer is sgd
+    kept.fit(X, Y, batch_size=2, verbose=0)  # w = 1.5 -> 0.75, gradient 7.5
+    assert int(sgd.iterations) == 2
+    np.testing.assert_array_equal(original.d.kernel.numpy(), [[0.75]])
+
+    # A property of the wrapper that raises keeps its message.
+    off = kg.keep_gradients(Net(), keep_gradients=False)
+    with pytest.raises(AttributeError, match="Model 'net' does not keep gradients"):
+        off.gradients
 
 
 def test_keep_gradients_warns_about_step_methods_it_will_not_run():

@@ -378,6 +378,43 @@ def test_weights_files_move_between_plain_and_wrapped_subclassed_models(
     assert only_grad(kept) == [[15.0]]  # 5 * scale^2 * w = 5 * 4 * 0.75
 
 
+class WithBackbone(keras.Model):
+    """A subclassed model holding a sub-model under the attribute `model`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        inputs = keras.Input((1,))
+        self.model = keras.Model(inputs, dense_0()(inputs), name="backbone")
+
+    def call(self, x):
+        return self.model(x)
+
+
+def test_a_wrapped_model_attribute_named_model_is_saved_as_in_the_plain_file(tmp_path):
+    def net():
+        model = WithBackbone(name="net")
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    plain = net()
+    plain.fit(X, Y, batch_size=2, verbose=0)  # w = 1.5
+    plain.save_weights(tmp_path / "plain.weights.h5")
+    original = net()
+    kept = kg.keep_gradients(original)
+    assert kept.model is original.model  # the original's own `model`
+    kept.fit(X, Y, batch_size=2, verbose=0)
+    kept.save_weights(tmp_path / "kept.weights.h5")
+    assert sorted(h5_arrays(tmp_path / "kept.weights.h5")) == sorted(
+        h5_arrays(tmp_path / "plain.weights.h5")) == [
+        # Keras saves the sub-model through `layers` (a list: named by its
+        # class), which it visits before `model`.
+        "layers/functional/layers/dense/vars/0", "optimizer/vars/0", "optimizer/vars/1"]
+    plain.fit(X, Y, batch_size=2, verbose=0)  # w = 0.75
+    plain.save_weights(tmp_path / "plain.weights.h5")
+    kept.load_weights(tmp_path / "plain.weights.h5")
+    assert kept.get_weights()[0].tolist() == [[0.75]]
+
+
 def test_wrapped_subclassed_archive_holds_the_plain_arrays(tmp_path):
     plain = scaled_net()
     plain.fit(X, Y, batch_size=2, verbose=0)
