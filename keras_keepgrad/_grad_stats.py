@@ -174,6 +174,15 @@ class NewGradients:
     def __init__(self):
         self._seen = None
 
+    def begin(self, model):
+        """At `on_train_begin`: what the slots hold now counts as read.
+
+        The slots may still hold a write of an earlier `fit`; a step of
+        this `fit` cannot be its label.
+        """
+        keeper = model._keeper
+        self._seen = None if keeper is None else keeper.last_write()[0]
+
     def step_of(self, model, step):
         """The step the kept gradients come from, or None if already read.
 

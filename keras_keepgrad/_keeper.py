@@ -93,8 +93,9 @@ def after(writes, grads):
     parameter-sized buffer in peak memory (10M-parameter MLP, peak RSS over
     plain Keras: +38 to +43 MiB ordered, +39 to +82 MiB unordered, for
     40 MiB of parameters; step time unchanged within noise). Each gradient
-    waits for its own write only (Keras 3.15's optimizers start updating
-    once all gradients exist anyway). `tf.identity` aliases, copies nothing.
+    waits for its own write (with `keep_every > 1`, for the conditional
+    write of all; Keras 3.15's optimizers start updating once all
+    gradients exist anyway). `tf.identity` aliases, copies nothing.
 
     Args:
         writes: Per gradient, a list of the ops (or tensors) that must run

@@ -133,6 +133,7 @@ class GradientMonitor(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         _grad_stats.require_kept_gradients(self.model, "GradientMonitor")
         self._steps.begin_train()
+        self._new.begin(self.model)
         self._norms = _grad_stats.GradientNorms(_grad_stats.trainable_paths(self.model))
         n_layers = len(self._norms.layers)
         self._below = np.zeros(n_layers, np.int64)

@@ -95,6 +95,7 @@ class GradientSnapshot(keras.callbacks.Callback):
         directory = os.path.dirname(os.path.abspath(self.path.format(step=0, epoch=1)))
         _grad_stats.check_writable_dir(directory, "path", self.path)
         self._steps.begin_train()
+        self._new.begin(self.model)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch

@@ -117,6 +117,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         _grad_stats.require_kept_gradients(self.model, "GradientTensorBoard")
         super().on_train_begin(logs)
         self._steps.begin_train()
+        self._new.begin(self.model)
         self._norms = _grad_stats.GradientNorms(_grad_stats.trainable_paths(self.model))
         self._heatmap = _tb_panels.Heatmap()
         optimizer = self.model.optimizer

@@ -527,6 +527,37 @@ def test_keep_every_callbacks_read_each_kept_step_once_at_its_step(tmp_path):
     assert history.history["grad_norm"] == [5.8125]
 
 
+def test_keep_every_labels_across_executions_and_fits(tmp_path):
+    # keep_every=3 and steps_per_execution=2: callbacks run after steps 2, 4
+    # of each fit. The count of steps goes on across fits: writes on global
+    # steps 1, 4, 7 (5w: 15, 1.875, 0.234375; w halves every step).
+    inputs = keras.Input((1,))
+    outputs = keras.layers.Dense(
+        1, use_bias=False, kernel_initializer=keras.initializers.Constant(3.0),
+        name="dense_0")(inputs)
+    model = kg.KeepGradModel(inputs, outputs, keep_every=3)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=2)
+    x, y = hand_data(4)
+
+    def fit(name):
+        snapshot = callbacks.GradientSnapshot(tmp_path / name / "{step}.npz", every=1)
+        model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[snapshot])
+        found = []
+        for filename in snapshot.files:
+            with np.load(filename) as data:
+                found.append((os.path.basename(filename), int(data["step"]),
+                              float(data["dense_0/kernel"][0, 0])))
+        return found
+
+    # Fit 1: after step 2 the slots hold step 1's (one step old), after
+    # step 4 step 4's.
+    assert fit("first") == [("1.npz", 1, 15.0), ("4.npz", 4, 1.875)]
+    # Fit 2 (global steps 5-8): after its step 2 the slots still hold fit
+    # 1's step 4, which is not this fit's and is skipped; after its step 4,
+    # global step 7, its step 3.
+    assert fit("second") == [("3.npz", 3, 0.234375)]
+
+
 def test_snapshot_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
     model = hand_model()
     x, y = hand_data(2)
