@@ -704,13 +704,21 @@ def markdown(results):
     return "\n".join(lines)
 
 
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--quick", action="store_true", help="12 rounds, < 3 min")
     group.add_argument("--smoke", action="store_true", help="tiny models, 2 rounds")
-    parser.add_argument("--rounds", type=int, help="override the number of rounds")
-    parser.add_argument("--instances", type=int,
+    parser.add_argument("--rounds", type=_positive_int,
+                        help="override the number of rounds")
+    parser.add_argument("--instances", type=_positive_int,
                         help="model objects per variant, timed in turn and "
                              "averaged (default 1)")
     parser.add_argument("--models", nargs="+", help="only these models")
