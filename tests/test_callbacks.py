@@ -40,7 +40,7 @@ class Recorder(keras.callbacks.Callback):
         )
 
 
-def hand_model(lr=0.1, optimizer=None):
+def hand_model(lr=0.1, optimizer=None, keep_every=1, **compile_kwargs):
     inputs = keras.Input((1,))
     outputs = keras.layers.Dense(
         1,
@@ -48,8 +48,9 @@ def hand_model(lr=0.1, optimizer=None):
         kernel_initializer=keras.initializers.Constant(3.0),
         name="dense_0",
     )(inputs)
-    model = kg.KeepGradModel(inputs, outputs)
-    model.compile(optimizer=optimizer or keras.optimizers.SGD(lr), loss="mse")
+    model = kg.KeepGradModel(inputs, outputs, keep_every=keep_every)
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(lr), loss="mse",
+                  **compile_kwargs)
     return model
 
 
@@ -489,13 +490,7 @@ def test_keep_every_callbacks_read_each_kept_step_once_at_its_step(tmp_path):
     # keep_every=2 writes the slots on steps 1, 3 and 5 only: 5w = 15, 3.75
     # and 0.9375 (w halves every step). Between writes the slots hold the
     # last written step; callbacks read each written step once, at its step.
-    inputs = keras.Input((1,))
-    outputs = keras.layers.Dense(
-        1, use_bias=False, kernel_initializer=keras.initializers.Constant(3.0),
-        name="dense_0")(inputs)
-    model = kg.KeepGradModel(inputs, outputs, keep_every=2)
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-                  metrics=[kg.metrics.GradientNorm(reduction="mean")])
+    model = hand_model(keep_every=2, metrics=[kg.metrics.GradientNorm(reduction="mean")])
     board = callbacks.GradientTensorBoard(tmp_path / "logs", update_freq=1)
     snapshot = callbacks.GradientSnapshot(tmp_path / "snap" / "{step}.npz", every=1)
     # 15 and 3.75 are below 20; vanishing for 2 checks in a row is reported
@@ -531,12 +526,7 @@ def test_keep_every_labels_across_executions_and_fits(tmp_path):
     # keep_every=3 and steps_per_execution=2: callbacks run after steps 2, 4
     # of each fit. The count of steps goes on across fits: writes on global
     # steps 1, 4, 7 (5w: 15, 1.875, 0.234375; w halves every step).
-    inputs = keras.Input((1,))
-    outputs = keras.layers.Dense(
-        1, use_bias=False, kernel_initializer=keras.initializers.Constant(3.0),
-        name="dense_0")(inputs)
-    model = kg.KeepGradModel(inputs, outputs, keep_every=3)
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=2)
+    model = hand_model(keep_every=3, steps_per_execution=2)
     x, y = hand_data(4)
 
     def fit(name):
