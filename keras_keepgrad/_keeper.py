@@ -7,13 +7,16 @@ Data path of one step: `unscale()` turns the gradients that `train_step`
 computed from the scaled loss into what the optimizer's update receives,
 `store()` writes them into the slots (one assign per variable; sparse
 gradients stay sparse), `after()` makes the optimizer's update of each
-variable wait for its slot write, and readers densify on read.
+variable wait for its slot write, and readers densify on read. Under XLA,
+which cannot write a variable whose shape changes, sparse slots are written
+after the compiled step (`GradientKeeper.deferring_sparse_writes`).
 """
 
 import contextlib
 import itertools
 import re
 import threading
+import types
 
 import keras
 import tensorflow as tf
@@ -418,13 +421,16 @@ class GradientKeeper:
 
     Args:
         sparse: Bool. Store `tf.IndexedSlices` gradients as (values, indices)
-            of the batch's rows instead of densifying them on every step. XLA
-            cannot write a variable whose shape changes, so a model compiled
-            with `jit_compile=True` keeps them dense.
+            of the batch's rows instead of densifying them on every step.
+            XLA cannot write a variable whose shape changes: a step compiled
+            with XLA writes sparse slots through `deferring_sparse_writes`,
+            or the keeper must be dense.
     """
 
     def __init__(self, sparse=True):
         self.sparse = sparse
+        self._deferred = None  # see `deferring_sparse_writes`
+        self._deferred_slots = []
         self._serial = next(_KEEPER_SERIALS)  # tells keepers apart in `last_write`
         self._slots = {}
         self._step = None  # counts steps, only with `keep_every > 1`
@@ -436,6 +442,10 @@ class GradientKeeper:
     @property
     def built(self):
         return self.paths is not None
+
+    def has_sparse_slots(self):
+        """Whether some slot holds a sparse gradient as (values, indices)."""
+        return any(slot.indices is not None for slot in self._slots.values())
 
     def rebuild(self, variables, grads, strategy):
         """Fresh zero slots for `variables`, shaped after traced `grads`."""
@@ -485,21 +495,78 @@ class GradientKeeper:
         slots = [self._slot_for(v, g, strategy) for v, g in zip(variables, grads)]
         self.paths = tuple(v.path for v in variables)
 
-        def write():
+        deferred = self._deferred
+        if deferred is not None:
             for slot, grad in zip(slots, grads):
+                if slot.indices is not None:
+                    deferred.slots.append(slot)
+                    deferred.values.append(grad.values)
+                    deferred.indices.append(grad.indices)
+            slots_grads = [
+                (slot, grad) for slot, grad in zip(slots, grads) if slot.indices is None
+            ]
+        else:
+            slots_grads = list(zip(slots, grads))
+
+        def write():
+            for slot, grad in slots_grads:
                 slot.assign(grad)
             self._written.assign(self._step)
             return tf.constant(True)
 
         if every == 1:
-            return grads, reduced, [slot.assign(g) for slot, g in zip(slots, grads)]
+            writes = {id(slot): slot.assign(grad) for slot, grad in slots_grads}
+            return grads, reduced, [writes.get(id(slot), []) for slot in slots]
         if self._step is None:
             self._create_step_counter(strategy)
         wrote = tf.cond(
             tf.equal(self._step % every, 0), write, lambda: tf.constant(False)
         )
         self._step.assign_add(1)
+        if deferred is not None:
+            deferred.wrote = wrote
         return grads, reduced, [[wrote]] * len(grads)
+
+    @contextlib.contextmanager
+    def deferring_sparse_writes(self):
+        """Sparse slot writes in the block are collected, not made.
+
+        For a step compiled with XLA, which cannot write a variable whose
+        shape changes (a sparse slot holds as many rows as the batch has).
+        Yields a namespace whose `tensors()` are to be returned out of the
+        compiled function and handed to `write_deferred` outside it: the
+        batch's (values, indices) per sparse slot, and with `every > 1`
+        whether the step was written.
+        """
+        deferred = types.SimpleNamespace(
+            slots=[], values=[], indices=[], wrote=None,
+            tensors=lambda: (deferred.values, deferred.indices, deferred.wrote),
+        )
+        previous, self._deferred = self._deferred, deferred
+        try:
+            yield deferred
+        finally:
+            self._deferred = previous
+        self._deferred_slots = deferred.slots
+
+    def write_deferred(self, tensors):
+        """Makes the sparse writes a `deferring_sparse_writes` block collected.
+
+        `tensors` is what its `tensors()` returned, passed out of the
+        compiled function. Returns the write ops (None when executing
+        eagerly).
+        """
+        values, indices, wrote = tensors
+
+        def write():
+            for slot, v, i in zip(self._deferred_slots, values, indices):
+                slot.values.assign(v, read_value=False)
+                slot.indices.assign(i, read_value=False)
+            return tf.constant(True)
+
+        if wrote is None:
+            return write()
+        return tf.cond(wrote, write, lambda: tf.constant(False))
 
     def last_write(self):
         """`(write, age)`: which write the slots hold, and from how long ago.

@@ -104,7 +104,7 @@ class KeepGradModel(keras.Model):
         # One batch's spec, between `_maybe_symbolic_build` and
         # `make_train_function`. Held in a namespace: a dict or tuple set on a
         # Keras layer is wrapped by its tracker, which breaks dict outputs.
-        self._pending = types.SimpleNamespace(data_spec=None)
+        self._pending = types.SimpleNamespace(data_spec=None, xla_inside_step=False)
 
     @property
     def keep_gradients(self):
@@ -175,7 +175,44 @@ class KeepGradModel(keras.Model):
     def _make_function(self, step_function):
         if _compat.collective_multi_worker(self.distribute_strategy):
             step_function = _keeper.with_batch_axis(step_function)
+        if (
+            self._keep_gradients
+            and step_function == self.train_step
+            and self.jit_compile
+            and not self.run_eagerly
+            and self._keeper is not None
+            and self._keeper.has_sparse_slots()
+        ):
+            # Keras compiles its whole step function with XLA. Here XLA
+            # compiles `train_step`, and the sparse slots (whose row count
+            # follows the batch, which an XLA program cannot write) are
+            # written after it, from the rows it returns.
+            step_function = self._sparse_writes_after_xla(step_function)
+            self._pending.xla_inside_step = True
+            try:
+                return super()._make_function(step_function)
+            finally:
+                self._pending.xla_inside_step = False
         return super()._make_function(step_function)
+
+    def _sparse_writes_after_xla(self, step_function):
+        keeper = self._keeper
+
+        @tf.autograph.experimental.do_not_convert
+        def compiled(data):
+            with keeper.deferring_sparse_writes() as deferred:
+                logs = step_function(data)
+            return logs, deferred.tensors()
+
+        compiled = tf.function(compiled, reduce_retracing=True, jit_compile=True)
+
+        @tf.autograph.experimental.do_not_convert
+        def step(data):
+            logs, rows = compiled(data)
+            keeper.write_deferred(rows)
+            return logs
+
+        return step
 
     @property
     def jit_compile(self):
@@ -185,6 +222,8 @@ class KeepGradModel(keras.Model):
         compile Keras's step (it reads each replica's variables from one
         device), so `True` falls back to `False` with a warning.
         """
+        if getattr(getattr(self, "_pending", None), "xla_inside_step", False):
+            return False  # only while `_make_function` wraps an XLA step
         return keras.Model.jit_compile.fget(self)
 
     @jit_compile.setter
@@ -213,12 +252,16 @@ class KeepGradModel(keras.Model):
 
     def _build_slots(self):
         """Fresh zero slots, shaped and typed after a traced gradient step."""
-        self._keeper = _keeper.GradientKeeper(sparse=not self.jit_compile)
         spec, self._pending.data_spec = self._pending.data_spec, None
         if spec is None:
             # No batch seen yet (e.g. `make_train_function()` called by
-            # hand): the slots are created when the step is first traced.
+            # hand): the slots are created when the step is first traced,
+            # within XLA if `jit_compile`, and so dense.
+            self._keeper = _keeper.GradientKeeper(sparse=not self.jit_compile)
             return
+        # Sparse slots exist from here on, so `_make_function` writes them
+        # outside XLA.
+        self._keeper = _keeper.GradientKeeper(sparse=True)
         strategy = self.distribute_strategy
         with strategy.scope():
             unbuilt = not all(layer.built for layer in self._flatten_layers())

@@ -192,16 +192,18 @@ def test_stale_gradients_are_not_saved_with_a_warning(tmp_path):
         "layers/dense/vars/0", "optimizer/vars/0", "optimizer/vars/1"]
 
 
-def test_sparse_gradient_is_saved_dense_and_restored_in_place(tmp_path):
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_sparse_gradient_is_saved_dense_and_restored_in_place(tmp_path, jit_compile):
     # mean over 4 rows of e[id]^2 with e = 1: d/de[i] = 2 * count(i) / 4,
-    # ids 0, 0, 1, 2 -> [1, 0.5, 0.5, 0] (duplicate rows summed).
+    # ids 0, 0, 1, 2 -> [1, 0.5, 0.5, 0] (duplicate rows summed). Under
+    # XLA too the slot is sparse (written after the compiled step).
     def embedding_model():
         inputs = keras.Input((1,), dtype="int32")
         emb = keras.layers.Embedding(
             4, 1, embeddings_initializer="ones", name="emb")(inputs)
         model = kg.KeepGradModel(inputs, emb, save_gradients=True)
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-                      jit_compile=False)  # sparse slots
+                      jit_compile=jit_compile)
         return model
 
     ids = np.array([[0], [0], [1], [2]])
@@ -220,6 +222,11 @@ def test_sparse_gradient_is_saved_dense_and_restored_in_place(tmp_path):
     np.testing.assert_array_equal(
         model.gradients["emb"]["embeddings"], [[1.0], [0.5], [0.5], [0.0]])
     assert all(a is b for a, b in zip(model._keeper.slot_variables(), slots))
+    # The restored slot holds all 4 rows; training writes the batch's again.
+    e3 = model.get_weights()[0][3, 0]
+    model.fit(np.full((4, 1), 3), target, batch_size=4, verbose=0)
+    np.testing.assert_array_equal(
+        model.gradients["emb"]["embeddings"], [[0], [0], [0], [2 * e3]])
 
 
 # --- restoring ------------------------------------------------------------------
