@@ -178,8 +178,7 @@ class KeepGradModel(keras.Model):
         if (
             self._keep_gradients
             and step_function == self.train_step
-            and self.jit_compile
-            and not self.run_eagerly
+            and self._writes_sparse_after_xla()
             and self._keeper is not None
             and self._keeper.has_sparse_slots()
         ):
@@ -187,7 +186,7 @@ class KeepGradModel(keras.Model):
             # compiles `train_step`, and the sparse slots (whose row count
             # follows the batch, which an XLA program cannot write) are
             # written after it, from the rows it returns.
-            step_function = self._sparse_writes_after_xla(step_function)
+            step_function = self._with_sparse_writes_after_xla(step_function)
             self._pending.xla_inside_step = True
             try:
                 return super()._make_function(step_function)
@@ -195,7 +194,22 @@ class KeepGradModel(keras.Model):
                 self._pending.xla_inside_step = False
         return super()._make_function(step_function)
 
-    def _sparse_writes_after_xla(self, step_function):
+    def _writes_sparse_after_xla(self):
+        """Whether the training step is compiled with XLA and sparse slots
+        are written after it (see `_make_function`).
+
+        Not under a `tf.distribute` strategy (other than one device): its
+        replica threads cannot `merge_call` (as Keras's optimizer does) from
+        a function nested in `strategy.run`, so there the slots are dense.
+        """
+        strategy = self._distribute_strategy
+        return (
+            self.jit_compile
+            and not self.run_eagerly
+            and (strategy is None or isinstance(strategy, tf.distribute.OneDeviceStrategy))
+        )
+
+    def _with_sparse_writes_after_xla(self, step_function):
         keeper = self._keeper
 
         @tf.autograph.experimental.do_not_convert
@@ -259,9 +273,11 @@ class KeepGradModel(keras.Model):
             # within XLA if `jit_compile`, and so dense.
             self._keeper = _keeper.GradientKeeper(sparse=not self.jit_compile)
             return
-        # Sparse slots exist from here on, so `_make_function` writes them
-        # outside XLA.
-        self._keeper = _keeper.GradientKeeper(sparse=True)
+        # Sparse slots exist from here on, so `_make_function` can tell
+        # whether to write them outside XLA.
+        self._keeper = _keeper.GradientKeeper(
+            sparse=not self.jit_compile or self._writes_sparse_after_xla()
+        )
         strategy = self.distribute_strategy
         with strategy.scope():
             unbuilt = not all(layer.built for layer in self._flatten_layers())

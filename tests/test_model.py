@@ -1,6 +1,7 @@
 """End-to-end tests of `KeepGradModel` against CONTRACT.md "Model" and
 "What is kept", on numbers a person can check by hand (see conftest.py)."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -372,18 +373,33 @@ def test_embedding_gradient_is_dense_with_repeated_ids_summed(mode_name):
 
 
 @pytest.mark.parametrize("keep_every", [1, 2])
-def test_under_xla_sparse_gradients_are_kept_as_the_batch_rows(keep_every):
+@pytest.mark.parametrize("setup", ["fit", "steps_per_execution", "mirrored"])
+def test_under_xla_sparse_gradients_are_kept_as_the_batch_rows(keep_every, setup):
     # XLA cannot write a variable whose row count follows the batch, so the
     # compiled step hands the rows out and they are written after it: the
-    # slot is (values, indices), also for the last, smaller batch.
+    # slot is (values, indices), also for the last, smaller batch. Under a
+    # strategy (here one replica) the step must stay whole: dense slots.
     ids = np.array([[1, 1, 3], [0, 1, 4], [2, 2, 2]], dtype="int32")
-    inputs = keras.Input((3,), dtype="int32")
-    embed = keras.layers.Embedding(5, 2, embeddings_initializer="ones", name="emb")
-    head = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", name="head")
-    model = kg.KeepGradModel(
-        inputs, head(keras.layers.Flatten()(embed(inputs))), keep_every=keep_every
+    scope = (
+        tf.distribute.MirroredStrategy(["/cpu:0"]).scope()
+        if setup == "mirrored"
+        else contextlib.nullcontext()
     )
-    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", jit_compile=True)
+    with scope:
+        inputs = keras.Input((3,), dtype="int32")
+        embed = keras.layers.Embedding(5, 2, embeddings_initializer="ones", name="emb")
+        head = keras.layers.Dense(
+            1, use_bias=False, kernel_initializer="ones", name="head"
+        )
+        model = kg.KeepGradModel(
+            inputs, head(keras.layers.Flatten()(embed(inputs))), keep_every=keep_every
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.0),
+            loss="mse",
+            jit_compile=True,
+            steps_per_execution=2 if setup == "steps_per_execution" else 1,
+        )
     model.fit(ids, np.zeros((3, 1), "float32"), batch_size=2, shuffle=False, verbose=0)
 
     assert model.jit_compile is True
@@ -392,15 +408,21 @@ def test_under_xla_sparse_gradients_are_kept_as_the_batch_rows(keep_every):
     if keep_every == 1:
         # Step 2, the batch [[2, 2, 2]]: output 6, d(loss)/d(output) =
         # 2 * 6 / 1 = 12, and id 2 occurs 3 times: 36 per component.
-        np.testing.assert_array_equal(slot.indices.numpy(), [2, 2, 2])
-        assert slot.values.numpy().shape == (3, 2)
+        rows = [2, 2, 2]
         np.testing.assert_array_equal(kept[:, 0], [0.0, 0.0, 36.0, 0.0, 0.0])
     else:
         # Only step 1 is written: 6 per occurrence, as in the test above.
-        np.testing.assert_array_equal(slot.indices.numpy(), [1, 1, 3, 0, 1, 4])
-        assert slot.values.numpy().shape == (6, 2)
+        rows = [1, 1, 3, 0, 1, 4]
         np.testing.assert_array_equal(kept[:, 0], [6.0, 18.0, 0.0, 6.0, 6.0])
     np.testing.assert_array_equal(kept[:, 1], kept[:, 0])
+    if setup == "mirrored":
+        assert slot.indices is None and slot.values.shape == (5, 2)
+    else:
+        np.testing.assert_array_equal(slot.indices.numpy(), rows)
+        assert slot.values.numpy().shape == (len(rows), 2)
+    # The dense slot, written inside XLA: every feature is 1, so each kernel
+    # entry's gradient is the batch's sum of d(loss)/d(output): 2 * 6 or 12.
+    np.testing.assert_array_equal(model.gradients["head"]["kernel"], np.full((6, 1), 12.0))
 
 
 # --- keep_gradients=False and what is not saved --------------------------
