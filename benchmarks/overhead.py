@@ -1,8 +1,10 @@
 """What keeping gradients costs, measured against plain Keras.
 
-Paired, interleaved rounds in one process. A round makes 3 passes over the
+Paired, interleaved rounds in one process. A round makes 2 passes over the
 variants below, each pass in an order rotated by one, and each variant runs
-the same fixed number of training steps per pass; the variant's time in the
+the same fixed number of training steps per pass (about 0.1 s of plain
+training: shorter passes spread the per-round ratios about twice as wide on
+a 2-core machine); the variant's time in the
 round is its fastest pass (other processes on a shared machine only ever add
 time). Each variant's round time is divided by the plain `keras.Model`'s time
 of the same round; the tables report the median of these per-round ratios and
@@ -39,7 +41,7 @@ full mode) the hand-written one, under a few allocator settings.
 Usage:
 
 ```shell
-python benchmarks/overhead.py            # full: 100 rounds, about 25 min
+python benchmarks/overhead.py            # full: 100 rounds, about 30 min
 python benchmarks/overhead.py --quick    # under 3 minutes on 2 cores
 python benchmarks/overhead.py --smoke    # tiny models, 2 rounds (tests)
 ```
@@ -86,7 +88,7 @@ RECOMPUTE_FACTOR = 10.0
 MODES = {
     # Each round times `passes` interleaved passes over the variants, each
     # variant running about `pass_seconds` of steps per pass.
-    "full": dict(rounds=100, passes=3, pass_seconds=0.04, memory_pairs=3,
+    "full": dict(rounds=100, passes=2, pass_seconds=0.1, memory_pairs=3,
                  memory_models=("mlp_10m", "embedding"),
                  memory_allocators=("mmap", "default", "mmap-no-onednn"),
                  memory_variants=("plain", "kept", "hand")),
@@ -718,6 +720,9 @@ def main(argv=None):
     group.add_argument("--smoke", action="store_true", help="tiny models, 2 rounds")
     parser.add_argument("--rounds", type=_positive_int,
                         help="override the number of rounds")
+    parser.add_argument("--pass-seconds", type=float,
+                        help="plain training time per pass (default by mode)")
+    parser.add_argument("--passes", type=_positive_int, help="passes per round")
     parser.add_argument("--instances", type=_positive_int,
                         help="model objects per variant, timed in turn and "
                              "averaged (default 1)")
@@ -747,6 +752,10 @@ def main(argv=None):
         mode["rounds"] = args.rounds
     if args.instances:
         mode["instances"] = args.instances
+    if args.pass_seconds is not None:
+        mode["pass_seconds"] = args.pass_seconds
+    if args.passes:
+        mode["passes"] = args.passes
     variants = list(args.variants or mode.get("variants", VARIANTS))
     variants = ["plain", "control"] + [v for v in variants if v not in ("plain", "control")]
     specs = model_specs(args.smoke)
