@@ -18,7 +18,8 @@ object can be persistently a few percent faster or slower than an identical
 one in the same process (seen with the embedding model), which more rounds
 do not average out.
 
-Variants (all with the same initial weights, `Adam`, the same batch):
+Variants (all with the same initial weights, `Adam` or with `--optimizer
+sgd` `SGD`, the same batch):
 
 - `plain`: `keras.Model`.
 - `control`: a second `keras.Model`, the noise control.
@@ -240,6 +241,12 @@ def _loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+# `--optimizer`: Keras's Adam updates a whole embedding table every step
+# (the step is optimizer-bound); SGD updates only the batch's rows.
+OPTIMIZERS = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD}
+OPTIMIZER = "adam"
+
+
 def new_variant(variant, build, batch, jit_compile, weights=None):
     """A compiled, untrained variant: `(model, callback or None)`.
 
@@ -261,7 +268,7 @@ def new_variant(variant, build, batch, jit_compile, weights=None):
         raise ValueError(f"Unknown variant: {variant!r}")
     if weights is not None:
         model.set_weights(weights)
-    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss=_loss(),
+    model.compile(optimizer=OPTIMIZERS[OPTIMIZER](1e-4), loss=_loss(),
                   jit_compile=jit_compile)
     callback = None
     if variant == "recompute":
@@ -532,7 +539,7 @@ def measure_memory(name, pairs, smoke, log, allocator="mmap",
         shift = i % len(variants)
         for variant in variants[shift:] + variants[:shift]:
             cmd = [sys.executable, os.path.abspath(__file__), "--memory-child",
-                   name, variant, "--steps", "20"]
+                   name, variant, "--steps", "20", "--optimizer", OPTIMIZER]
             if smoke:
                 cmd.append("--smoke")
             child = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -727,6 +734,8 @@ def main(argv=None):
                         help="model objects per variant, timed in turn and "
                              "averaged (default 1)")
     parser.add_argument("--models", nargs="+", help="only these models")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam",
+                        help="optimizer of every variant (default adam)")
     parser.add_argument("--jit", choices=("off", "on", "both"),
                         help="jit_compile off, on or both; default both (smoke: off)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS,
@@ -741,6 +750,8 @@ def main(argv=None):
                         help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=20, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    global OPTIMIZER
+    OPTIMIZER = args.optimizer
 
     if args.memory_child:
         memory_child(*args.memory_child, smoke=args.smoke, steps=args.steps)
@@ -780,6 +791,7 @@ def main(argv=None):
         "machine_before": machine_state(),
         "code": code_state(),
         "variants": variants,
+        "optimizer": OPTIMIZER,
         "configs": [],
         "op_counts": [],
         "memory": [],
@@ -796,7 +808,8 @@ def main(argv=None):
             json.dump(results, f, indent=1)
         os.replace(out + ".tmp", out)
 
-    log(f"mode={mode_name}, rounds={mode['rounds']}, load={os.getloadavg()}")
+    log(f"mode={mode_name}, rounds={mode['rounds']}, optimizer={OPTIMIZER}, "
+        f"load={os.getloadavg()}")
     for name in names if not args.no_timing else ():
         for jit_compile in jits:
             results["configs"].append(
