@@ -43,6 +43,7 @@ Usage:
 
 ```shell
 python benchmarks/overhead.py            # full: 100 rounds, about 30 min
+python benchmarks/overhead.py --instances 2   # as in the README: about 1 h
 python benchmarks/overhead.py --quick    # under 3 minutes on 2 cores
 python benchmarks/overhead.py --smoke    # tiny models, 2 rounds (tests)
 ```
