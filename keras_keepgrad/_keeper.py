@@ -495,28 +495,28 @@ class GradientKeeper:
         slots = [self._slot_for(v, g, strategy) for v, g in zip(variables, grads)]
         self.paths = tuple(v.path for v in variables)
 
+        # Under `deferring_sparse_writes`, sparse slots are written later.
         deferred = self._deferred
-        if deferred is not None:
-            for slot, grad in zip(slots, grads):
-                if slot.indices is not None:
-                    deferred.slots.append(slot)
-                    deferred.values.append(grad.values)
-                    deferred.indices.append(grad.indices)
-            slots_grads = [
-                (slot, grad) for slot, grad in zip(slots, grads) if slot.indices is None
-            ]
-        else:
-            slots_grads = list(zip(slots, grads))
+        here = [deferred is None or slot.indices is None for slot in slots]
+        for slot, grad, now in zip(slots, grads, here):
+            if not now:
+                deferred.slots.append(slot)
+                deferred.values.append(grad.values)
+                deferred.indices.append(grad.indices)
 
         def write():
-            for slot, grad in slots_grads:
-                slot.assign(grad)
+            for slot, grad, now in zip(slots, grads, here):
+                if now:
+                    slot.assign(grad)
             self._written.assign(self._step)
             return tf.constant(True)
 
         if every == 1:
-            writes = {id(slot): slot.assign(grad) for slot, grad in slots_grads}
-            return grads, reduced, [writes.get(id(slot), []) for slot in slots]
+            writes = [
+                slot.assign(grad) if now else []
+                for slot, grad, now in zip(slots, grads, here)
+            ]
+            return grads, reduced, writes
         if self._step is None:
             self._create_step_counter(strategy)
         wrote = tf.cond(
@@ -553,8 +553,7 @@ class GradientKeeper:
         """Makes the sparse writes a `deferring_sparse_writes` block collected.
 
         `tensors` is what its `tensors()` returned, passed out of the
-        compiled function. Returns the write ops (None when executing
-        eagerly).
+        compiled function. Returns a bool tensor: whether it wrote.
         """
         values, indices, wrote = tensors
 
