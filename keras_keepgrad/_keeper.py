@@ -487,7 +487,7 @@ class GradientKeeper:
             holds them, whether they are the global ones, and for each
             gradient the ops that wrote it, or with `every > 1` the
             conditional write of all (for `after`; None when executing
-            eagerly).
+            eagerly; none for a sparse slot under `deferring_sparse_writes`).
         """
         reduced = reduces_in_step(strategy)
         if reduced:
