@@ -9,7 +9,9 @@ computed from the scaled loss into what the optimizer's update receives,
 gradients stay sparse), `after()` makes the optimizer's update of each
 variable wait for its slot write, and readers densify on read. Under XLA,
 which cannot write a variable whose shape changes, sparse slots are written
-after the compiled step (`GradientKeeper.deferring_sparse_writes`).
+after the compiled step (`GradientKeeper.deferring_sparse_writes`), unless
+the optimizer's update densifies the gradient anyway (`densified_in`): then
+the slot is dense and XLA computes the dense tensor once for both.
 """
 
 import contextlib
@@ -29,6 +31,7 @@ __all__ = [
     "all_reduce_sum",
     "current_step_gradients",
     "current_step_variables",
+    "densified_in",
     "densify",
     "evaluation_step",
     "in_evaluation_step",
@@ -131,6 +134,31 @@ def densify(grad):
             grad.values, grad.indices, num_segments=grad.dense_shape[0]
         )
     return tf.convert_to_tensor(grad)
+
+
+def densified_in(graph, grads):
+    """The positions of the `tf.IndexedSlices` in `grads` that `graph` densifies.
+
+    Looks for what TensorFlow's IndexedSlices-to-Tensor conversion emits, and
+    `densify` too: an `UnsortedSegmentSum` of exactly the gradient's values
+    and indices (Keras's Adam, for one, densifies a sparse gradient so). A
+    step that computes it anyway gets the dense slot write for free under
+    XLA, which computes the identical sum once. Ops inside nested functions
+    (a `tf.cond`'s branches) are not looked at: their gradients count as not
+    densified.
+    """
+    wanted = {
+        (grad.values.name, grad.indices.name): position
+        for position, grad in enumerate(grads)
+        if isinstance(grad, tf.IndexedSlices)
+    }
+    found = set()
+    for op in graph.get_operations():
+        if op.type == "UnsortedSegmentSum":
+            key = (op.inputs[0].name, op.inputs[1].name)
+            if key in wanted:
+                found.add(wanted[key])
+    return found
 
 
 def nest_by_path(flat):
@@ -425,10 +453,14 @@ class GradientKeeper:
             XLA cannot write a variable whose shape changes: a step compiled
             with XLA writes sparse slots through `deferring_sparse_writes`,
             or the keeper must be dense.
+        dense_paths: Paths of variables whose sparse gradients are stored
+            dense even so (under XLA, where the optimizer densifies them
+            anyway: see `densified_in`).
     """
 
-    def __init__(self, sparse=True):
+    def __init__(self, sparse=True, dense_paths=()):
         self.sparse = sparse
+        self.dense_paths = frozenset(dense_paths)
         self._deferred = None  # see `deferring_sparse_writes`
         self._deferred_slots = []
         self._serial = next(_KEEPER_SERIALS)  # tells keepers apart in `last_write`
@@ -456,7 +488,8 @@ class GradientKeeper:
         self.paths = tuple(v.path for v in variables)
 
     def _slot_for(self, variable, grad, strategy):
-        spec = _spec_of(grad, variable.shape, self.sparse)
+        sparse = self.sparse and variable.path not in self.dense_paths
+        spec = _spec_of(grad, variable.shape, sparse)
         partial = strategy.num_replicas_in_sync > 1 and not reduces_in_step(strategy)
         slot = self._slots.get(variable.path)
         if (

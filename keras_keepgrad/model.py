@@ -278,6 +278,18 @@ class KeepGradModel(keras.Model):
         self._keeper = _keeper.GradientKeeper(
             sparse=not self.jit_compile or self._writes_sparse_after_xla()
         )
+        # Under XLA, a sparse gradient that the optimizer's update densifies
+        # anyway (Adam's, for one) is kept dense inside the compiled step,
+        # where XLA computes the dense tensor once for both; writing the rows
+        # after the step would cost their copy out of it. Without a strategy
+        # only: there the optimizer can be traced outside `strategy.run`.
+        check_update = (
+            self.jit_compile
+            and self._writes_sparse_after_xla()
+            and self._distribute_strategy is None
+            and self.optimizer is not None
+        )
+        densified = set()
         strategy = self.distribute_strategy
         with strategy.scope():
             unbuilt = not all(layer.built for layer in self._flatten_layers())
@@ -289,9 +301,17 @@ class KeepGradModel(keras.Model):
 
         @tf.function(autograph=False)
         def traced_gradients(data):
-            return self._unscaled_gradients(data, variables, track_loss=False)[0]
+            kept, grads, _ = self._unscaled_gradients(data, variables, track_loss=False)
+            if check_update and any(isinstance(g, tf.IndexedSlices) for g in kept):
+                # Traced only, never run: the update's ops show what it
+                # does with each gradient.
+                self.optimizer.apply_gradients(zip(grads, variables))
+                graph = tf.compat.v1.get_default_graph()
+                densified.update(_keeper.densified_in(graph, kept))
+            return kept
 
         grads = traced_gradients.get_concrete_function(spec).structured_outputs
+        self._keeper.dense_paths = frozenset(variables[i].path for i in densified)
         self._keeper.rebuild(variables, grads, strategy)
 
     def _unscaled_gradients(self, data, variables, track_loss=True):
