@@ -12,6 +12,8 @@ their interquartile range (IQR) as the "overhead beyond control": the median
 over rounds of `ratio(variant) - ratio(control)`, where the control is a
 second, identical plain `keras.Model` (its ratio is 1 up to noise and order
 effects). Wall time is the measure; the process CPU time is reported too.
+A bootstrap (`bootstrap`) gives a 90% interval of each median; the target
+is called met or missed only when the whole interval is on one side of it.
 With `--instances K`, each variant is K separate model objects, timed in
 turn, and a round's time of the variant is the mean of theirs: one model
 object can be persistently a few percent faster or slower than an identical
@@ -339,6 +341,59 @@ def summarize(times):
     return out
 
 
+BOOTSTRAP_SAMPLES = 2000
+
+
+def bootstrap(fastest, variants, instances, seed=0, samples=BOOTSTRAP_SAMPLES):
+    """Bootstrap replicates of each variant's median overhead beyond control.
+
+    `fastest[variant, i]` holds instance i's seconds per step in each round.
+    A replicate draws the rounds with replacement (the same draw for every
+    variant: rounds are paired) and, for each variant separately, its
+    instances with replacement, then computes the overhead as `summarize`
+    does. With `--instances` above 1 the spread between model objects (which
+    more rounds do not average out) is thus in the interval; what differs
+    between whole runs (the machine's state) is not.
+
+    Returns `{variant: array of samples}`.
+    """
+    rng = np.random.default_rng(seed)
+    times = {v: np.stack([fastest[v, i] for i in range(instances)]) for v in variants}
+    rounds = times["plain"].shape[1]
+    out = {v: np.empty(samples) for v in variants}
+    for b in range(samples):
+        picked = rng.integers(0, rounds, rounds)
+        mean = {
+            v: t[rng.integers(0, instances, instances)][:, picked].mean(axis=0)
+            for v, t in times.items()
+        }
+        control = mean["control"] / mean["plain"]
+        for v in variants:
+            out[v][b] = np.median(mean[v] / mean["plain"] - control)
+    return out
+
+
+def intervals(samples, target):
+    """90% intervals from `bootstrap` samples, the target's verdict, and a
+    lower bound (5th percentile) of recompute / kept."""
+    ci = {v: [float(q) for q in np.percentile(s, [5, 95])] for v, s in samples.items()}
+    out = {"ci90": ci, "target_verdict": None, "recompute_over_kept_low": None}
+    if "kept" in ci and target is not None:
+        low, high = ci["kept"]
+        out["target_verdict"] = (
+            "met" if high <= target else "missed" if low > target else "undecided"
+        )
+    if "kept" in samples and "recompute" in samples:
+        kept, recompute = samples["kept"], samples["recompute"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            factor = np.where(kept > 0, recompute / kept, np.inf)
+        low = float(np.percentile(factor, 5))
+        # JSON has no infinity: None where kept measured no slower than the
+        # control in over 95% of the replicates.
+        out["recompute_over_kept_low"] = low if np.isfinite(low) else None
+    return out
+
+
 def time_config(name, spec, jit_compile, mode, variants, log):
     build, batch_size, make_x = spec
     rng = np.random.default_rng(0)
@@ -412,6 +467,11 @@ def time_config(name, spec, jit_compile, mode, variants, log):
     result["cpu_ratio"] = cpu_summary["ratio"]
     result["cpu_beyond_control"] = cpu_summary["beyond_control"]
     result["target"] = TARGETS.get(name)
+    for key, column in (("wall", 0), ("cpu", 1)):
+        samples = bootstrap(
+            {k: t[:, column] for k, t in fastest.items()}, variants, instances
+        )
+        result[f"{key}_intervals"] = intervals(samples, result["target"])
     result["meets_target"] = result["recompute_over_kept"] = None
     result["meets_recompute_factor"] = None
     if "kept" in wall:
@@ -635,12 +695,13 @@ _TITLES = {"kept": "kept", "every10": "kept, keep_every=10",
            "hand": "hand-written train_step", "recompute": "recompute in callback"}
 
 
-def _timing_table(results, ratio_key, beyond_key):
+def _timing_table(results, ratio_key, beyond_key, intervals_key):
     shown = [v for v in results["variants"] if v in _TITLES]
     lines = [
         "| model | params | batch | jit | plain ms/step | control | "
-        + " | ".join(_TITLES[v] for v in shown) + " | recompute / kept | target |",
-        "|---" * (8 + len(shown)) + "|",
+        + " | ".join(_TITLES[v] for v in shown)
+        + " | recompute / kept (5th pct.) | kept: 90% interval | target |",
+        "|---" * (9 + len(shown)) + "|",
     ]
     for r in results["configs"]:
         beyond = r[beyond_key]
@@ -649,16 +710,25 @@ def _timing_table(results, ratio_key, beyond_key):
         if kept is not None and "recompute" in beyond:
             recompute = beyond["recompute"]["median"]
             factor = f"{recompute / kept:.0f}x" if kept > 0 else "inf (kept <= control)"
+        found = r.get(intervals_key) or {}
+        if factor and found.get("recompute_over_kept_low") is not None:
+            factor += f" ({found['recompute_over_kept_low']:.0f}x)"
+        interval = ""
+        if "kept" in found.get("ci90", {}):
+            low, high = found["ci90"]["kept"]
+            interval = f"{_pct(low)} to {_pct(high)}"
         target = ""
         if kept is not None and r["target"] is not None:
             met = "met" if kept <= r["target"] else "MISSED"
-            target = f"<= {r['target'] * 100:.0f}%: {met}"
+            target = f"<= {r['target'] * 100:.0f}%: median {met}"
+            if found.get("target_verdict"):
+                target += f", interval: {found['target_verdict']}"
         control = {k: v - 1 for k, v in r[ratio_key]["control"].items()}
         lines.append(
             f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['batch_size']} | "
             f"{'on' if r['jit_compile'] else 'off'} | {r['step_ms']['plain']:.2f} | "
             f"{_iqr(control)} | " + " | ".join(_iqr(beyond[v]) for v in shown)
-            + f" | {factor} | {target} |"
+            + f" | {factor} | {interval} | {target} |"
         )
     return lines
 
@@ -668,15 +738,20 @@ def markdown(results):
     lines = []
     if results["configs"]:
         lines += ["Wall time:", ""]
-        lines += _timing_table(results, "ratio", "beyond_control")
+        lines += _timing_table(results, "ratio", "beyond_control", "wall_intervals")
         lines += ["", "Process CPU time (all threads):", ""]
-        lines += _timing_table(results, "cpu_ratio", "cpu_beyond_control")
+        lines += _timing_table(results, "cpu_ratio", "cpu_beyond_control", "cpu_intervals")
         lines += [
             "",
             "Cells: median over rounds [interquartile range]. `control`: the "
             "second plain model's time over plain's, minus 1. Other columns: "
             "overhead beyond the control, the median of per-round "
-            "`time(variant) / time(plain) - time(control) / time(plain)`.",
+            "`time(variant) / time(plain) - time(control) / time(plain)`. "
+            "Interval: a bootstrap 90% interval of kept's median (rounds and, "
+            "with several instances, model objects resampled); recompute / "
+            "kept in parentheses: the bootstrap's 5th percentile. Target "
+            "verdict by interval: met (all of it within the target), missed "
+            "(all of it beyond), undecided (it spans the target).",
         ]
     if results.get("op_counts"):
         lines += ["", "| model | plain ops | keep_gradients=False ops | kept ops | "

@@ -1,13 +1,17 @@
 """`benchmarks/overhead.py --smoke` runs end to end and writes its JSON.
 
 Timings on a shared machine are noise at this size: only their presence and
-sign are asserted, never a ratio.
+sign are asserted, never a ratio. The bootstrap interval is checked on
+made-up times.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ["plain", "control", "kept", "every10", "hand", "recompute"]
@@ -69,6 +73,12 @@ def test_overhead_smoke_writes_every_promised_number(tmp_path):
         assert config["beyond_control"]["control"] == dict.fromkeys(STATS, 0.0)
         assert config["target"] in (0.02, 0.03)
         assert isinstance(config["meets_target"], bool)
+        for key in ("wall_intervals", "cpu_intervals"):
+            found = config[key]
+            assert set(found["ci90"]) == set(VARIANTS)
+            assert found["ci90"]["control"] == [0.0, 0.0]
+            assert all(low <= high for low, high in found["ci90"].values())
+            assert found["target_verdict"] in ("met", "missed", "undecided")
 
     ops = {o["model"]: o for o in results["op_counts"]}
     assert set(ops) == {"mlp_1m", "embedding"}
@@ -86,3 +96,47 @@ def test_overhead_smoke_writes_every_promised_number(tmp_path):
         assert len(memory["peak_rss_mb"][variant]) == 1
         assert memory["peak_rss_mb"][variant][0] > 0
     assert isinstance(memory["extra_mb"], float)
+
+
+def _overhead_module():
+    spec = importlib.util.spec_from_file_location(
+        "overhead", os.path.join(ROOT, "benchmarks", "overhead.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bootstrap_interval_spans_the_spread_between_model_objects():
+    overhead = _overhead_module()
+    rounds = 4
+    # Seconds per step in each round, per (variant, instance). Every round
+    # alike, so only the draw of instances varies: kept's mean over its two
+    # instances is 1.25, 1.5 or 1.75 (probabilities 1/4, 1/2, 1/4), so its
+    # overhead over plain (1.0, control 1.0) is 0.25, 0.5 or 0.75.
+    fastest = {
+        ("plain", 0): [1.0] * rounds, ("plain", 1): [1.0] * rounds,
+        ("control", 0): [1.0] * rounds, ("control", 1): [1.0] * rounds,
+        ("kept", 0): [1.25] * rounds, ("kept", 1): [1.75] * rounds,
+        ("recompute", 0): [2.0] * rounds, ("recompute", 1): [2.0] * rounds,
+    }
+    fastest = {k: np.asarray(v) for k, v in fastest.items()}
+    variants = ["plain", "control", "kept", "recompute"]
+    samples = overhead.bootstrap(fastest, variants, instances=2, samples=400)
+    assert set(np.unique(samples["kept"])) == {0.25, 0.5, 0.75}
+    assert set(np.unique(samples["recompute"])) == {1.0}
+    assert set(np.unique(samples["control"])) == {0.0}
+
+    found = overhead.intervals(samples, target=0.5)
+    assert found["ci90"]["kept"] == [0.25, 0.75]
+    assert found["ci90"]["control"] == [0.0, 0.0]
+    assert found["target_verdict"] == "undecided"
+    # recompute / kept: 4, 2 or 4/3; the 5th percentile is the worst, 4/3.
+    assert found["recompute_over_kept_low"] == 1.0 / 0.75
+    assert overhead.intervals(samples, target=0.75)["target_verdict"] == "met"
+    assert overhead.intervals(samples, target=0.125)["target_verdict"] == "missed"
+
+    # One instance: only the rounds are drawn; identical rounds leave no spread.
+    one = {k: v for k, v in fastest.items() if k[1] == 0}
+    samples = overhead.bootstrap(one, variants, instances=1, samples=50)
+    assert overhead.intervals(samples, target=0.25)["ci90"]["kept"] == [0.25, 0.25]
