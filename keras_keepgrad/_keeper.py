@@ -136,20 +136,20 @@ def densify(grad):
     return tf.convert_to_tensor(grad)
 
 
-def densified_in(graph, grads):
+def densified_in(graph, grads, variables):
     """The positions of the `tf.IndexedSlices` in `grads` that `graph` densifies.
 
     Looks for what TensorFlow's IndexedSlices-to-Tensor conversion emits, and
     `densify` too: an `UnsortedSegmentSum` of exactly the gradient's values
-    and indices (Keras's Adam, for one, densifies a sparse gradient so). A
-    step that computes it anyway gets the dense slot write for free under
-    XLA, which computes the identical sum once. Ops inside nested functions
-    (a `tf.cond`'s branches) are not looked at: their gradients count as not
-    densified.
+    and indices into a tensor of its variable's (static) shape. Keras's Adam,
+    for one, densifies a sparse gradient so. A step that computes it anyway
+    gets the dense slot write for free under XLA, which computes the
+    identical sum once. Ops inside nested functions (a `tf.cond`'s branches)
+    are not looked at: their gradients count as not densified.
     """
     wanted = {
-        (grad.values.name, grad.indices.name): position
-        for position, grad in enumerate(grads)
+        (grad.values.name, grad.indices.name): (position, tuple(variable.shape))
+        for position, (grad, variable) in enumerate(zip(grads, variables))
         if isinstance(grad, tf.IndexedSlices)
     }
     found = set()
@@ -157,7 +157,9 @@ def densified_in(graph, grads):
         if op.type == "UnsortedSegmentSum":
             key = (op.inputs[0].name, op.inputs[1].name)
             if key in wanted:
-                found.add(wanted[key])
+                position, shape = wanted[key]
+                if tuple(op.outputs[0].shape.as_list()) == shape:
+                    found.add(position)
     return found
 
 

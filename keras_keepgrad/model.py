@@ -281,13 +281,16 @@ class KeepGradModel(keras.Model):
         # Under XLA, a sparse gradient that the optimizer's update densifies
         # anyway (Adam's, for one) is kept dense inside the compiled step,
         # where XLA computes the dense tensor once for both; writing the rows
-        # after the step would cost their copy out of it. Without a strategy
-        # only: there the optimizer can be traced outside `strategy.run`.
+        # after the step would cost their copy out of it. Only where the
+        # sum is shared: every step written (with `keep_every > 1` the write
+        # sits in a conditional of its own), and no strategy (there the
+        # optimizer cannot be traced outside `strategy.run`).
         check_update = (
             self.jit_compile
             and self._writes_sparse_after_xla()
             and self._distribute_strategy is None
             and self.optimizer is not None
+            and self._keep_every == 1
         )
         densified = set()
         strategy = self.distribute_strategy
@@ -304,10 +307,18 @@ class KeepGradModel(keras.Model):
             kept, grads, _ = self._unscaled_gradients(data, variables, track_loss=False)
             if check_update and any(isinstance(g, tf.IndexedSlices) for g in kept):
                 # Traced only, never run: the update's ops show what it
-                # does with each gradient.
-                self.optimizer.apply_gradients(zip(grads, variables))
+                # does with each gradient. Its warnings repeat the real
+                # step's. This only chooses the faster storage, so an update
+                # that cannot be traced here leaves the rows (the real step
+                # then raises, or not, as it would in plain Keras).
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        self.optimizer.apply_gradients(zip(grads, variables))
+                except Exception:
+                    return kept
                 graph = tf.compat.v1.get_default_graph()
-                densified.update(_keeper.densified_in(graph, kept))
+                densified.update(_keeper.densified_in(graph, kept, variables))
             return kept
 
         grads = traced_gradients.get_concrete_function(spec).structured_outputs

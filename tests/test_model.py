@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 
 import keras
@@ -425,31 +426,62 @@ def test_under_xla_sparse_gradients_are_kept_as_the_batch_rows(keep_every, setup
     np.testing.assert_array_equal(model.gradients["head"]["kernel"], np.full((6, 1), 12.0))
 
 
-@pytest.mark.parametrize("keep_every", [1, 2])
-@pytest.mark.parametrize("jit_compile", [True, False])
-def test_under_xla_a_gradient_adam_densifies_anyway_is_kept_dense(jit_compile, keep_every):
-    # Keras's Adam turns the sparse gradient into the dense table-sized
-    # tensor anyway, so under XLA the slot is dense and written inside the
-    # compiled step (XLA computes the sum once for both). Without XLA the
-    # rows are kept, as for any optimizer. The values read are the same.
-    ids = np.array([[1, 1, 3], [0, 1, 4], [2, 2, 2]], dtype="int32")
+def _embedding_net(cls, optimizer, jit_compile, **options):
     inputs = keras.Input((3,), dtype="int32")
     embed = keras.layers.Embedding(5, 2, embeddings_initializer="ones", name="emb")
     head = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", name="head")
-    model = kg.KeepGradModel(
-        inputs, head(keras.layers.Flatten()(embed(inputs))), keep_every=keep_every
+    model = cls(inputs, head(keras.layers.Flatten()(embed(inputs))), **options)
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+    return model
+
+
+OPTIMIZERS = {
+    "adam": lambda lr: keras.optimizers.Adam(lr),
+    "adamw": lambda lr: keras.optimizers.AdamW(lr),
+    "sgd_momentum": lambda lr: keras.optimizers.SGD(lr, momentum=0.5),
+    "loss_scale_adam": lambda lr: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(lr)
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "optimizer, keep_every, jit_compile, dense",
+    [
+        ("adam", 1, True, True),
+        ("adamw", 1, True, True),
+        # Kept every other step: the write is conditional, XLA cannot share
+        # the sum with the update, so rows.
+        ("adam", 2, True, False),
+        ("adam", 1, False, False),  # without XLA: rows, for any optimizer
+        # Momentum densifies -lr * g, not g; the loss-scale optimizer's
+        # update is inside a conditional: rows.
+        ("sgd_momentum", 1, True, False),
+        ("loss_scale_adam", 1, True, False),
+    ],
+)
+def test_under_xla_a_gradient_the_update_densifies_anyway_is_kept_dense(
+    optimizer, keep_every, jit_compile, dense
+):
+    # Keras's Adam turns the sparse gradient into the table-sized tensor
+    # anyway, so under XLA the slot is dense and written inside the compiled
+    # step (XLA computes the sum once for both). The values read are the
+    # same either way.
+    ids = np.array([[1, 1, 3], [0, 1, 4], [2, 2, 2]], dtype="int32")
+    y = np.zeros((3, 1), "float32")
+    model = _embedding_net(
+        kg.KeepGradModel, OPTIMIZERS[optimizer](0.0), jit_compile, keep_every=keep_every
     )
-    model.compile(optimizer=keras.optimizers.Adam(0.0), loss="mse", jit_compile=jit_compile)
-    model.fit(ids, np.zeros((3, 1), "float32"), batch_size=2, shuffle=False, verbose=0)
+    model.fit(ids, y, batch_size=2, shuffle=False, verbose=0)
 
     slot = model._keeper._slots["emb/embeddings"]
-    if jit_compile:
+    if dense:
         assert slot.indices is None and slot.values.shape == (5, 2)
         assert not model._keeper.has_sparse_slots()
     else:
         assert slot.indices is not None
     kept = model.gradients["emb"]["embeddings"]
-    # As in the test above: step 2 ([2, 2, 2]) gives 36 to id 2; with
+    # As in the tests above: step 2 ([2, 2, 2]) gives 36 to id 2; with
     # keep_every=2 only step 1 is kept: 6 per occurrence of ids 1, 1, 3, 0, 1, 4.
     if keep_every == 1:
         expected = [0.0, 0.0, 36.0, 0.0, 0.0]
@@ -459,25 +491,39 @@ def test_under_xla_a_gradient_adam_densifies_anyway_is_kept_dense(jit_compile, k
     np.testing.assert_array_equal(kept[:, 1], expected)
     # Tracing the update to look at it ran none: two steps, weights as set.
     assert int(model.optimizer.iterations.numpy()) == 2
-    np.testing.assert_array_equal(embed.embeddings.numpy(), np.ones((5, 2)))
+    np.testing.assert_array_equal(model.get_layer("emb").embeddings.numpy(), np.ones((5, 2)))
+
+    # With a real learning rate, the model trains as plain Keras does.
+    kept, plain = (
+        _embedding_net(cls, OPTIMIZERS[optimizer](0.1), jit_compile, **options)
+        for cls, options in ((kg.KeepGradModel, {"keep_every": keep_every}), (keras.Model, {}))
+    )
+    for model in (kept, plain):
+        model.fit(ids, y, batch_size=2, shuffle=False, verbose=0)
+    for a, b in zip(kept.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(kept.optimizer.variables, plain.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
 def test_densified_in_finds_the_conversion_of_exactly_that_gradient():
+    table = types.SimpleNamespace(shape=(5, 2))
     graph = tf.Graph()
     with graph.as_default():
         values = tf.compat.v1.placeholder(tf.float32, (None, 2))
         indices = tf.compat.v1.placeholder(tf.int32, (None,))
-        table = tf.IndexedSlices(values, indices, tf.constant([5, 2]))
+        whole = tf.IndexedSlices(values, indices, tf.constant([5, 2]))
         scaled = tf.IndexedSlices(values * 2.0, indices, tf.constant([5, 2]))
-        grads = [tf.ones(()), table, scaled]
-        # Row-wise use densifies nothing.
-        tf.reduce_sum(table.values) + tf.reduce_sum(scaled.values)
-        assert kg._keeper.densified_in(graph, grads) == set()
+        grads, variables = [tf.ones(()), whole, scaled], [table] * 3
+        # Row-wise use, or a sum into another number of rows, densifies nothing.
+        tf.reduce_sum(whole.values) + tf.reduce_sum(scaled.values)
+        tf.math.unsorted_segment_sum(values, indices, 7)
+        assert kg._keeper.densified_in(graph, grads, variables) == set()
         # A conversion to a dense tensor, as Keras's Adam makes, of `scaled`.
         tf.convert_to_tensor(scaled) - tf.ones((5, 2))
-        assert kg._keeper.densified_in(graph, grads) == {2}
+        assert kg._keeper.densified_in(graph, grads, variables) == {2}
         tf.math.unsorted_segment_sum(values, indices, 5)
-        assert kg._keeper.densified_in(graph, grads) == {1, 2}
+        assert kg._keeper.densified_in(graph, grads, variables) == {1, 2}
 
 
 # --- keep_gradients=False and what is not saved --------------------------
