@@ -137,7 +137,7 @@ def densify(grad):
 
 
 def densified_in(graph, grads, variables):
-    """The positions of the `tf.IndexedSlices` in `grads` that `graph` densifies.
+    """The paths of the `variables` whose `tf.IndexedSlices` gradient `graph` densifies.
 
     Looks for what TensorFlow's IndexedSlices-to-Tensor conversion emits, and
     `densify` too: an `UnsortedSegmentSum` of exactly the gradient's values
@@ -148,18 +148,16 @@ def densified_in(graph, grads, variables):
     are not looked at: their gradients count as not densified.
     """
     wanted = {
-        (grad.values.name, grad.indices.name): (position, tuple(variable.shape))
-        for position, (grad, variable) in enumerate(zip(grads, variables))
+        (grad.values.name, grad.indices.name): variable
+        for grad, variable in zip(grads, variables)
         if isinstance(grad, tf.IndexedSlices)
     }
     found = set()
     for op in graph.get_operations():
         if op.type == "UnsortedSegmentSum":
-            key = (op.inputs[0].name, op.inputs[1].name)
-            if key in wanted:
-                position, shape = wanted[key]
-                if tuple(op.outputs[0].shape.as_list()) == shape:
-                    found.add(position)
+            variable = wanted.get((op.inputs[0].name, op.inputs[1].name))
+            if variable is not None and op.outputs[0].shape == tuple(variable.shape):
+                found.add(variable.path)
     return found
 
 
@@ -455,14 +453,16 @@ class GradientKeeper:
             XLA cannot write a variable whose shape changes: a step compiled
             with XLA writes sparse slots through `deferring_sparse_writes`,
             or the keeper must be dense.
+
+    Attributes:
         dense_paths: Paths of variables whose sparse gradients are stored
             dense even so (under XLA, where the optimizer densifies them
-            anyway: see `densified_in`).
+            anyway: see `densified_in`); set before `rebuild`.
     """
 
-    def __init__(self, sparse=True, dense_paths=()):
+    def __init__(self, sparse=True):
         self.sparse = sparse
-        self.dense_paths = frozenset(dense_paths)
+        self.dense_paths = frozenset()
         self._deferred = None  # see `deferring_sparse_writes`
         self._deferred_slots = []
         self._serial = next(_KEEPER_SERIALS)  # tells keepers apart in `last_write`

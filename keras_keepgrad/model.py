@@ -322,7 +322,7 @@ class KeepGradModel(keras.Model):
             return kept
 
         grads = traced_gradients.get_concrete_function(spec).structured_outputs
-        self._keeper.dense_paths = frozenset(variables[i].path for i in densified)
+        self._keeper.dense_paths = frozenset(densified)
         self._keeper.rebuild(variables, grads, strategy)
 
     def _unscaled_gradients(self, data, variables, track_loss=True):

@@ -507,23 +507,26 @@ def test_under_xla_a_gradient_the_update_densifies_anyway_is_kept_dense(
 
 
 def test_densified_in_finds_the_conversion_of_exactly_that_gradient():
-    table = types.SimpleNamespace(shape=(5, 2))
+    def table(path):
+        return types.SimpleNamespace(shape=(5, 2), path=path)
+
     graph = tf.Graph()
     with graph.as_default():
         values = tf.compat.v1.placeholder(tf.float32, (None, 2))
         indices = tf.compat.v1.placeholder(tf.int32, (None,))
         whole = tf.IndexedSlices(values, indices, tf.constant([5, 2]))
         scaled = tf.IndexedSlices(values * 2.0, indices, tf.constant([5, 2]))
-        grads, variables = [tf.ones(()), whole, scaled], [table] * 3
+        grads = [tf.ones(()), whole, scaled]
+        variables = [table("bias"), table("whole"), table("scaled")]
         # Row-wise use, or a sum into another number of rows, densifies nothing.
         tf.reduce_sum(whole.values) + tf.reduce_sum(scaled.values)
         tf.math.unsorted_segment_sum(values, indices, 7)
         assert kg._keeper.densified_in(graph, grads, variables) == set()
         # A conversion to a dense tensor, as Keras's Adam makes, of `scaled`.
         tf.convert_to_tensor(scaled) - tf.ones((5, 2))
-        assert kg._keeper.densified_in(graph, grads, variables) == {2}
+        assert kg._keeper.densified_in(graph, grads, variables) == {"scaled"}
         tf.math.unsorted_segment_sum(values, indices, 5)
-        assert kg._keeper.densified_in(graph, grads, variables) == {1, 2}
+        assert kg._keeper.densified_in(graph, grads, variables) == {"whole", "scaled"}
 
 
 # --- keep_gradients=False and what is not saved --------------------------
