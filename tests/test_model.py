@@ -352,14 +352,22 @@ def test_overwrite_with_gradient_variables_keep_the_value_written():
 # --- sparse gradients ----------------------------------------------------
 
 
-@pytest.mark.parametrize("mode_name", list(MODES))
-def test_embedding_gradient_is_dense_with_repeated_ids_summed(mode_name):
-    ids = np.array([[1, 1, 3], [0, 1, 4]], dtype="int32")
+def _embedding_net(optimizer, cls=kg.KeepGradModel, compile_options=None, **options):
+    """Embedding(5, 2) of ones, flattened, into one Dense unit of ones: for
+    ids [[1, 1, 3], [0, 1, 4]] every output is 6."""
     inputs = keras.Input((3,), dtype="int32")
     embed = keras.layers.Embedding(5, 2, embeddings_initializer="ones", name="emb")
     head = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", name="head")
-    model = kg.KeepGradModel(inputs, head(keras.layers.Flatten()(embed(inputs))))
-    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **MODES[mode_name])
+    model = cls(inputs, head(keras.layers.Flatten()(embed(inputs))), **options)
+    model.compile(optimizer=optimizer, loss="mse", **(compile_options or {}))
+    return model
+
+
+@pytest.mark.parametrize("mode_name", list(MODES))
+def test_embedding_gradient_is_dense_with_repeated_ids_summed(mode_name):
+    ids = np.array([[1, 1, 3], [0, 1, 4]], dtype="int32")
+    model = _embedding_net(keras.optimizers.SGD(0.0), compile_options=MODES[mode_name])
+    embed = model.get_layer("emb")
     y = np.zeros((2, 1), dtype="float32")
     model.fit(ids, y, batch_size=2, verbose=0)
 
@@ -387,19 +395,13 @@ def test_under_xla_sparse_gradients_are_kept_as_the_batch_rows(keep_every, setup
         else contextlib.nullcontext()
     )
     with scope:
-        inputs = keras.Input((3,), dtype="int32")
-        embed = keras.layers.Embedding(5, 2, embeddings_initializer="ones", name="emb")
-        head = keras.layers.Dense(
-            1, use_bias=False, kernel_initializer="ones", name="head"
-        )
-        model = kg.KeepGradModel(
-            inputs, head(keras.layers.Flatten()(embed(inputs))), keep_every=keep_every
-        )
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.0),
-            loss="mse",
-            jit_compile=True,
-            steps_per_execution=2 if setup == "steps_per_execution" else 1,
+        model = _embedding_net(
+            keras.optimizers.SGD(0.0),
+            compile_options=dict(
+                jit_compile=True,
+                steps_per_execution=2 if setup == "steps_per_execution" else 1,
+            ),
+            keep_every=keep_every,
         )
     model.fit(ids, np.zeros((3, 1), "float32"), batch_size=2, shuffle=False, verbose=0)
 
@@ -424,15 +426,6 @@ def test_under_xla_sparse_gradients_are_kept_as_the_batch_rows(keep_every, setup
     # The dense slot, written inside XLA: every feature is 1, so each kernel
     # entry's gradient is the batch's sum of d(loss)/d(output): 2 * 6 or 12.
     np.testing.assert_array_equal(model.gradients["head"]["kernel"], np.full((6, 1), 12.0))
-
-
-def _embedding_net(cls, optimizer, jit_compile, **options):
-    inputs = keras.Input((3,), dtype="int32")
-    embed = keras.layers.Embedding(5, 2, embeddings_initializer="ones", name="emb")
-    head = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", name="head")
-    model = cls(inputs, head(keras.layers.Flatten()(embed(inputs))), **options)
-    model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
-    return model
 
 
 OPTIMIZERS = {
@@ -470,7 +463,8 @@ def test_under_xla_a_gradient_the_update_densifies_anyway_is_kept_dense(
     ids = np.array([[1, 1, 3], [0, 1, 4], [2, 2, 2]], dtype="int32")
     y = np.zeros((3, 1), "float32")
     model = _embedding_net(
-        kg.KeepGradModel, OPTIMIZERS[optimizer](0.0), jit_compile, keep_every=keep_every
+        OPTIMIZERS[optimizer](0.0), compile_options={"jit_compile": jit_compile},
+        keep_every=keep_every,
     )
     model.fit(ids, y, batch_size=2, shuffle=False, verbose=0)
 
@@ -495,7 +489,9 @@ def test_under_xla_a_gradient_the_update_densifies_anyway_is_kept_dense(
 
     # With a real learning rate, the model trains as plain Keras does.
     kept, plain = (
-        _embedding_net(cls, OPTIMIZERS[optimizer](0.1), jit_compile, **options)
+        _embedding_net(
+            OPTIMIZERS[optimizer](0.1), cls, {"jit_compile": jit_compile}, **options
+        )
         for cls, options in ((kg.KeepGradModel, {"keep_every": keep_every}), (keras.Model, {}))
     )
     for model in (kept, plain):
