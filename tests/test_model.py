@@ -502,6 +502,45 @@ def test_under_xla_a_gradient_the_update_densifies_anyway_is_kept_dense(
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
+class CountingAdam(keras.optimizers.Adam):
+    """Adam that creates a variable in its first update, not in `build`,
+    and counts the variable updates in it."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        if not hasattr(self, "updates_made"):
+            self.updates_made = self.add_variable((), name="updates_made")
+        self.updates_made.assign_add(1.0)
+        super().update_step(gradient, variable, learning_rate)
+
+
+def test_an_update_that_creates_variables_is_traced_for_the_slots_and_runs_as_in_keras():
+    # Under XLA `_build_slots` traces the optimizer's update without running
+    # it (to see whether Adam densifies the sparse gradient). An optimizer
+    # that creates a variable there still counts only the real updates and
+    # trains as in plain Keras.
+    ids = np.array([[1, 1, 3], [0, 1, 4], [2, 2, 2]], dtype="int32")
+    y = np.zeros((3, 1), "float32")
+    kept, plain = (
+        _embedding_net(CountingAdam(0.1), cls, {"jit_compile": True})
+        for cls in (kg.KeepGradModel, keras.Model)
+    )
+    for model in (kept, plain):
+        model.fit(ids, y, batch_size=2, shuffle=False, verbose=0)
+    assert kept._keeper._slots["emb/embeddings"].indices is None  # dense: traced
+    # 2 steps x 2 variables (the table and the head's kernel).
+    assert float(kept.optimizer.updates_made.numpy()) == 4.0
+    assert float(plain.optimizer.updates_made.numpy()) == 4.0
+    for a, b in zip(kept.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # Adam's first step moves every weight with a gradient by -0.1: rows
+    # 0, 1, 3, 4 and the head's kernel to 0.9, row 2 stays 1. Step 2's ids
+    # [2, 2, 2] then output 6 * 0.9 = 5.4, d(loss)/d(output) = 10.8, and
+    # id 2 gets 3 * 10.8 * 0.9 = 29.16 per component.
+    np.testing.assert_allclose(
+        kept.gradients["emb"]["embeddings"][:, 0], [0.0, 0.0, 29.16, 0.0, 0.0], rtol=1e-5
+    )
+
+
 def test_densified_in_finds_the_conversion_of_exactly_that_gradient():
     def table(path):
         return types.SimpleNamespace(shape=(5, 2), path=path)
