@@ -29,6 +29,11 @@ sgd` `SGD`, the same batch):
 - `every10`: `kg.KeepGradModel(..., keep_every=10)`.
 - `hand`: a hand-written custom `train_step` that assigns each gradient to a
   `tf.Variable` (what a user can write without this library).
+- `floor`: the floor the targets are measured against, one parameter-sized
+  write per step and nothing else: Keras's own `train_step`, then a copy of
+  each trainable variable (just updated, as a gradient is just computed)
+  into a `tf.Variable`. The tables also give kept's overhead beyond it: the
+  median of per-round `time(kept) / time(plain) - time(floor) / time(plain)`.
 - `recompute`: a plain model plus a callback that recomputes the gradients
   with a separate `tf.GradientTape` forward and backward pass per batch (in
   a `tf.function`), as `WandbCallback(log_gradients=True)`-style logging does.
@@ -83,7 +88,7 @@ import tensorflow as tf  # noqa: E402
 
 import keras_keepgrad as kg  # noqa: E402
 
-VARIANTS = ("plain", "control", "kept", "every10", "hand", "recompute")
+VARIANTS = ("plain", "control", "kept", "every10", "hand", "floor", "recompute")
 
 # Median overhead beyond the control that keeping may cost (issue 7).
 TARGETS = {"mlp_1m": 0.02, "conv": 0.02, "mlp_10m": 0.03, "embedding": 0.03}
@@ -180,19 +185,22 @@ class _Holder:
         self.items = items
 
 
-class HandKeptModel(keras.Model):
+class _WithSlots(keras.Model):
+    def make_slots(self):
+        """One `tf.Variable` per trainable variable, made before training."""
+        self._hand_slots = _Holder(
+            [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
+             for v in self.trainable_variables]
+        )
+
+
+class HandKeptModel(_WithSlots):
     """The best a user writes by hand: a `train_step` that keeps gradients.
 
     As the Keras guide "Customizing what happens in fit()" writes a
     `train_step`, plus one `assign` per variable into a `tf.Variable` made
     beforehand (sparse gradients densified, as `tf.Variable.assign` needs).
     """
-
-    def make_slots(self):
-        self._hand_slots = _Holder(
-            [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
-             for v in self.trainable_variables]
-        )
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -212,6 +220,18 @@ class HandKeptModel(keras.Model):
             else:
                 metric.update_state(y, y_pred, sample_weight=sample_weight)
         return {m.name: m.result() for m in self.metrics}
+
+
+class FloorModel(_WithSlots):
+    """Keras's own `train_step`, then one parameter-sized write: each
+    trainable variable's new value copied into a `tf.Variable` (the floor of
+    keeping anything, with no gradient involved)."""
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        for slot, variable in zip(self._hand_slots.items, self.trainable_variables):
+            slot.assign(variable.value, read_value=False)
+        return logs
 
 
 class RecomputeGradients(keras.callbacks.Callback):
@@ -264,8 +284,8 @@ def new_variant(variant, build, batch, jit_compile, weights=None):
         model = kg.KeepGradModel(inputs, outputs, keep_every=10)
     elif variant == "off":
         model = kg.KeepGradModel(inputs, outputs, keep_gradients=False)
-    elif variant == "hand":
-        model = HandKeptModel(inputs, outputs)
+    elif variant in ("hand", "floor"):
+        model = (HandKeptModel if variant == "hand" else FloorModel)(inputs, outputs)
         model.make_slots()
     else:
         raise ValueError(f"Unknown variant: {variant!r}")
@@ -338,10 +358,15 @@ def summarize(times):
         ratio = np.asarray(seconds) / plain
         out["ratio"][variant] = _summary(ratio)
         out["beyond_control"][variant] = _summary(ratio - control)
+    if "kept" in times and "floor" in times:
+        out["kept_beyond_floor"] = _summary(
+            (np.asarray(times["kept"]) - np.asarray(times["floor"])) / plain
+        )
     return out
 
 
 BOOTSTRAP_SAMPLES = 2000
+KEPT_BEYOND_FLOOR = "kept - floor"
 
 
 def bootstrap(fastest, variants, instances, seed=0, samples=BOOTSTRAP_SAMPLES):
@@ -355,12 +380,17 @@ def bootstrap(fastest, variants, instances, seed=0, samples=BOOTSTRAP_SAMPLES):
     more rounds do not average out) is thus in the interval; what differs
     between whole runs (the machine's state) is not.
 
-    Returns `{variant: array of samples}`.
+    Returns `{variant: array of samples}`, plus under `KEPT_BEYOND_FLOOR`
+    those of kept's median overhead beyond the floor variant's, where both
+    ran (as `summarize`'s `kept_beyond_floor`).
     """
     rng = np.random.default_rng(seed)
     times = {v: np.stack([fastest[v, i] for i in range(instances)]) for v in variants}
     rounds = times["plain"].shape[1]
+    floor = "kept" in times and "floor" in times
     out = {v: np.empty(samples) for v in variants}
+    if floor:
+        out[KEPT_BEYOND_FLOOR] = np.empty(samples)
     for b in range(samples):
         picked = rng.integers(0, rounds, rounds)
         mean = {
@@ -370,6 +400,10 @@ def bootstrap(fastest, variants, instances, seed=0, samples=BOOTSTRAP_SAMPLES):
         control = mean["control"] / mean["plain"]
         for v in variants:
             out[v][b] = np.median(mean[v] / mean["plain"] - control)
+        if floor:
+            out[KEPT_BEYOND_FLOOR][b] = np.median(
+                (mean["kept"] - mean["floor"]) / mean["plain"]
+            )
     return out
 
 
@@ -377,7 +411,8 @@ def intervals(samples, target):
     """90% intervals from `bootstrap` samples, the target's verdict, and a
     lower bound (5th percentile) of recompute / kept."""
     ci = {v: [float(q) for q in np.percentile(s, [5, 95])] for v, s in samples.items()}
-    out = {"ci90": ci, "target_verdict": None, "recompute_over_kept_low": None}
+    out = {"ci90": ci, "target_verdict": None, "recompute_over_kept_low": None,
+           "kept_beyond_floor_ci90": ci.pop(KEPT_BEYOND_FLOOR, None)}
     if "kept" in ci and target is not None:
         low, high = ci["kept"]
         out["target_verdict"] = (
@@ -466,6 +501,8 @@ def time_config(name, spec, jit_compile, mode, variants, log):
     cpu_summary = summarize(cpu)
     result["cpu_ratio"] = cpu_summary["ratio"]
     result["cpu_beyond_control"] = cpu_summary["beyond_control"]
+    if "kept_beyond_floor" in cpu_summary:
+        result["cpu_kept_beyond_floor"] = cpu_summary["kept_beyond_floor"]
     result["target"] = TARGETS.get(name)
     for key, column in (("wall", 0), ("cpu", 1)):
         samples = bootstrap(
@@ -692,16 +729,19 @@ def _iqr(s):
 
 
 _TITLES = {"kept": "kept", "every10": "kept, keep_every=10",
-           "hand": "hand-written train_step", "recompute": "recompute in callback"}
+           "hand": "hand-written train_step", "floor": "floor (one weight copy)",
+           "recompute": "recompute in callback"}
 
 
-def _timing_table(results, ratio_key, beyond_key, intervals_key):
+def _timing_table(results, ratio_key, beyond_key, intervals_key, floor_key):
     shown = [v for v in results["variants"] if v in _TITLES]
+    floor = "kept" in shown and "floor" in shown
     lines = [
         "| model | params | batch | jit | plain ms/step | control | "
         + " | ".join(_TITLES[v] for v in shown)
+        + (" | kept beyond floor [90% interval]" if floor else "")
         + " | recompute / kept (5th pct.) | kept: 90% interval | target |",
-        "|---" * (9 + len(shown)) + "|",
+        "|---" * (9 + len(shown) + floor) + "|",
     ]
     for r in results["configs"]:
         beyond = r[beyond_key]
@@ -723,12 +763,18 @@ def _timing_table(results, ratio_key, beyond_key, intervals_key):
             target = f"<= {r['target'] * 100:.0f}%: median {met}"
             if found.get("target_verdict"):
                 target += f", interval: {found['target_verdict']}"
+        beyond_floor = ""
+        if floor:
+            beyond_floor = f" | {_pct(r[floor_key]['median'])}"
+            if found.get("kept_beyond_floor_ci90"):
+                low, high = found["kept_beyond_floor_ci90"]
+                beyond_floor += f" [{_pct(low)}, {_pct(high)}]"
         control = {k: v - 1 for k, v in r[ratio_key]["control"].items()}
         lines.append(
             f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['batch_size']} | "
             f"{'on' if r['jit_compile'] else 'off'} | {r['step_ms']['plain']:.2f} | "
             f"{_iqr(control)} | " + " | ".join(_iqr(beyond[v]) for v in shown)
-            + f" | {factor} | {interval} | {target} |"
+            + beyond_floor + f" | {factor} | {interval} | {target} |"
         )
     return lines
 
@@ -738,9 +784,11 @@ def markdown(results):
     lines = []
     if results["configs"]:
         lines += ["Wall time:", ""]
-        lines += _timing_table(results, "ratio", "beyond_control", "wall_intervals")
+        lines += _timing_table(results, "ratio", "beyond_control", "wall_intervals",
+                               "kept_beyond_floor")
         lines += ["", "Process CPU time (all threads):", ""]
-        lines += _timing_table(results, "cpu_ratio", "cpu_beyond_control", "cpu_intervals")
+        lines += _timing_table(results, "cpu_ratio", "cpu_beyond_control", "cpu_intervals",
+                               "cpu_kept_beyond_floor")
         lines += [
             "",
             "Cells: median over rounds [interquartile range]. `control`: the "
@@ -751,7 +799,9 @@ def markdown(results):
             "with several instances, model objects resampled); recompute / "
             "kept in parentheses: the bootstrap's 5th percentile. Target "
             "verdict by interval: met (all of it within the target), missed "
-            "(all of it beyond), undecided (it spans the target).",
+            "(all of it beyond), undecided (it spans the target). Kept beyond "
+            "floor: the median of per-round `(time(kept) - time(floor)) / "
+            "time(plain)`, with its bootstrap 90% interval.",
         ]
     if results.get("op_counts"):
         lines += ["", "| model | plain ops | keep_gradients=False ops | kept ops | "

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ["plain", "control", "kept", "every10", "hand", "recompute"]
+VARIANTS = ["plain", "control", "kept", "every10", "hand", "floor", "recompute"]
 STATS = {"median", "q25", "q75"}
 
 
@@ -78,6 +78,14 @@ def test_overhead_smoke_writes_every_promised_number(tmp_path):
             assert set(found["ci90"]) == set(VARIANTS)
             assert all(low <= high for low, high in found["ci90"].values())
             assert found["target_verdict"] in ("met", "missed", "undecided")
+            low, high = found["kept_beyond_floor_ci90"]
+            assert low <= high
+        # Kept beyond the floor, per round: (kept - floor) / plain.
+        for key, times in (("kept_beyond_floor", "seconds_per_step"),
+                           ("cpu_kept_beyond_floor", "cpu_seconds_per_step")):
+            t = {v: np.array(config[times][v]) for v in ("plain", "kept", "floor")}
+            per_round = (t["kept"] - t["floor"]) / t["plain"]
+            assert config[key]["median"] == np.percentile(per_round, 50)
 
     ops = {o["model"]: o for o in results["op_counts"]}
     assert set(ops) == {"mlp_1m", "embedding"}
@@ -133,6 +141,18 @@ def test_bootstrap_interval_spans_the_spread_between_model_objects():
     assert found["recompute_over_kept_low"] == 1.0 / 0.75
     assert overhead.intervals(samples, target=0.75)["target_verdict"] == "met"
     assert overhead.intervals(samples, target=0.125)["target_verdict"] == "missed"
+
+    # With a floor variant, kept's overhead beyond it: kept's mean is 1.25,
+    # 1.5 or 1.75 times plain's and the floor's always 1.25, so 0, 0.25 or 0.5.
+    fastest["floor", 0] = fastest["floor", 1] = 1.25 * machine
+    samples = overhead.bootstrap(fastest, variants + ["floor"], instances=2, samples=400)
+    assert set(np.unique(samples["kept - floor"])) == {0.0, 0.25, 0.5}
+    found = overhead.intervals(samples, target=0.5)
+    assert found["kept_beyond_floor_ci90"] == [0.0, 0.5]
+    assert set(found["ci90"]) == {"plain", "control", "kept", "recompute", "floor"}
+    assert overhead.intervals(
+        overhead.bootstrap(fastest, variants, instances=2, samples=10), target=0.5
+    )["kept_beyond_floor_ci90"] is None
 
     # One instance: only the rounds are drawn; identical rounds leave no spread.
     one = {k: v for k, v in fastest.items() if k[1] == 0}
