@@ -1,4 +1,6 @@
+import contextlib
 import os
+import socket
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -41,3 +43,12 @@ def dense_0(dtype=None, name="dense_0", w=W0):
         name=name,
         dtype=dtype,
     )
+
+
+def free_ports(n):
+    """`n` distinct TCP ports on 127.0.0.1 that were free a moment ago."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]

@@ -9,7 +9,6 @@ then 0.75 -> 3.75.
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import free_ports
 from tensorboard.backend.event_processing import event_accumulator
 
 import keras_keepgrad as kg
@@ -199,15 +199,9 @@ def test_heatmap_marks_zero_and_nonfinite_and_merges_columns():
     assert np.isnan(merged[2])
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_tensorboard_server_serves_the_gradient_panels(hand_run, tmp_path):
     log_dir, _ = hand_run
-    port = _free_port()
+    (port,) = free_ports(1)
     log_file = open(tmp_path / "tensorboard.log", "wb")
     server = subprocess.Popen(
         [

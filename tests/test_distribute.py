@@ -19,7 +19,6 @@ x = 2 and keeps 2w * 4 / 2 = 12: the sum is 15, and SGD(0.1) -> w = 1.5.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import traceback
@@ -27,6 +26,7 @@ import warnings
 
 import numpy as np
 import pytest
+from conftest import free_ports
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -74,16 +74,6 @@ def _result(process, timeout=TIMEOUT):
     return json.loads(lines[-1][len(_MARK):])
 
 
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 # Fixtures: each subprocess runs once per test session ----------------------
 
 
@@ -96,7 +86,7 @@ def mirrored():
 @pytest.fixture(scope="module")
 def workers():
     """Two `MultiWorkerMirroredStrategy` workers on 127.0.0.1, one CPU each."""
-    hosts = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    hosts = [f"127.0.0.1:{port}" for port in free_ports(2)]
     processes = []
     for index in range(2):
         tf_config = {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": index}}

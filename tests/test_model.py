@@ -1,7 +1,9 @@
 """End-to-end tests of `KeepGradModel` against CONTRACT.md "Model" and
 "What is kept", on numbers a person can check by hand (see conftest.py)."""
 
+import collections
 import contextlib
+import inspect
 import os
 import subprocess
 import sys
@@ -426,6 +428,80 @@ def test_under_xla_sparse_gradients_are_kept_as_the_batch_rows(keep_every, setup
     # The dense slot, written inside XLA: every feature is 1, so each kernel
     # entry's gradient is the batch's sum of d(loss)/d(output): 2 * 6 or 12.
     np.testing.assert_array_equal(model.gradients["head"]["kernel"], np.full((6, 1), 12.0))
+
+
+def _ops_inside_and_outside_xla(model, dataset):
+    """`(inside, outside)`: Counters of the op types in the traced training
+    function, inside functions XLA must compile (and what they call) and
+    outside them. Each function body counts once per side, however often
+    it is called."""
+    iterator = iter(model.distribute_strategy.experimental_distribute_dataset(dataset))
+    # Keras 3.15: `train_function` is a Python function around the
+    # `tf.function` `multi_step_on_iterator`.
+    traced = inspect.getclosurevars(model.train_function).nonlocals["multi_step_on_iterator"]
+    graph_def = traced.get_concrete_function(iterator).graph.as_graph_def()
+    functions = {f.signature.name: f for f in graph_def.library.function}
+    counts = {True: collections.Counter(), False: collections.Counter()}
+    seen = set()
+
+    def must_compile(attrs):
+        return "_XlaMustCompile" in attrs and attrs["_XlaMustCompile"].b
+
+    def walk(nodes, inside):
+        for node in nodes:
+            counts[inside][node.op] += 1
+            for attr in node.attr.values():
+                for name in [attr.func.name] + [f.name for f in attr.list.func]:
+                    if name not in functions:
+                        continue
+                    compiled = (
+                        inside or must_compile(node.attr) or must_compile(functions[name].attr)
+                    )
+                    if (name, compiled) not in seen:
+                        seen.add((name, compiled))
+                        walk(functions[name].node_def, compiled)
+
+    walk(graph_def.node, False)
+    return counts[True], counts[False]
+
+
+@pytest.mark.parametrize("optimizer, rows", [("sgd", True), ("adam", False)])
+def test_under_xla_the_step_is_compiled_and_only_rows_are_written_outside(optimizer, rows):
+    # The traced training function: XLA compiles the forward and backward
+    # pass, the update and the dense slot writes; only the two writes of a
+    # sparse slot (its values and indices) are outside, and none when the
+    # slot is dense.
+    ids = np.array([[1, 1, 3], [0, 1, 4]], dtype="int32")
+    y = np.zeros((2, 1), "float32")
+    make = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam}[optimizer]
+    kept, plain = (
+        _embedding_net(make(0.0), cls, {"jit_compile": True})
+        for cls in (kg.KeepGradModel, keras.Model)
+    )
+    dataset = tf.data.Dataset.from_tensors((ids, y))
+    for model in (kept, plain):
+        model.fit(dataset, shuffle=False, verbose=0)
+    kept_in, kept_out = _ops_inside_and_outside_xla(kept, dataset)
+    plain_in, plain_out = _ops_inside_and_outside_xla(plain, dataset)
+
+    assert kept_out["AssignVariableOp"] == (2 if rows else 0)
+    assert plain_out["AssignVariableOp"] == 0
+    # Inside: plain Keras's variable writes, plus the head's slot, plus the
+    # table's slot when it is dense.
+    assert kept_in["AssignVariableOp"] == plain_in["AssignVariableOp"] + (1 if rows else 2)
+    # Every other variable write (the update, the step counter, the loss
+    # tracker) is inside in both, the same ones.
+    writes = {
+        op for op in set(kept_in) | set(plain_in) | set(kept_out) | set(plain_out)
+        if op != "AssignVariableOp" and (op.startswith("Assign") or op.startswith("ResourceScatter"))
+    }
+    assert writes, "no variable writes found in the traced step"
+    for op in writes:
+        assert kept_in[op] == plain_in[op] > 0 and kept_out[op] == plain_out[op] == 0, op
+    # The forward and backward pass too: the lookup and the head's products.
+    for op in ("GatherV2", "MatMul"):
+        assert kept_out[op] == plain_out[op] == 0, op
+        assert kept_in[op] == plain_in[op] > 0, op
 
 
 OPTIMIZERS = {
