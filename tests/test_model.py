@@ -489,11 +489,12 @@ def test_under_xla_the_step_is_compiled_and_only_rows_are_written_outside(optimi
     # Inside: plain Keras's variable writes, plus the head's slot, plus the
     # table's slot when it is dense.
     assert kept_in["AssignVariableOp"] == plain_in["AssignVariableOp"] + (1 if rows else 2)
-    # Every other variable write (the update, the step counter, the loss
+    # Every other variable write (the update, the optimizer's iterations, the loss
     # tracker) is inside in both, the same ones.
     writes = {
         op for op in set(kept_in) | set(plain_in) | set(kept_out) | set(plain_out)
-        if op != "AssignVariableOp" and (op.startswith("Assign") or op.startswith("ResourceScatter"))
+        if op != "AssignVariableOp"
+        and (op.startswith("Assign") or op.startswith("ResourceScatter"))
     }
     assert writes, "no variable writes found in the traced step"
     for op in writes:
