@@ -365,6 +365,15 @@ def _embedding_net(optimizer, cls=kg.KeepGradModel, compile_options=None, **opti
     return model
 
 
+def _embedding_pair(make_optimizer, compile_options, **options):
+    """`(kept, plain)`: `_embedding_net` as a `KeepGradModel` (with `options`)
+    and as a `keras.Model`, each with its own `make_optimizer()`."""
+    return (
+        _embedding_net(make_optimizer(), kg.KeepGradModel, compile_options, **options),
+        _embedding_net(make_optimizer(), keras.Model, compile_options),
+    )
+
+
 @pytest.mark.parametrize("mode_name", list(MODES))
 def test_embedding_gradient_is_dense_with_repeated_ids_summed(mode_name):
     ids = np.array([[1, 1, 3], [0, 1, 4]], dtype="int32")
@@ -474,10 +483,7 @@ def test_under_xla_the_step_is_compiled_and_only_rows_are_written_outside(optimi
     ids = np.array([[1, 1, 3], [0, 1, 4]], dtype="int32")
     y = np.zeros((2, 1), "float32")
     make = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam}[optimizer]
-    kept, plain = (
-        _embedding_net(make(0.0), cls, {"jit_compile": True})
-        for cls in (kg.KeepGradModel, keras.Model)
-    )
+    kept, plain = _embedding_pair(lambda: make(0.0), {"jit_compile": True})
     dataset = tf.data.Dataset.from_tensors((ids, y))
     for model in (kept, plain):
         model.fit(dataset, shuffle=False, verbose=0)
@@ -565,11 +571,8 @@ def test_under_xla_a_gradient_the_update_densifies_anyway_is_kept_dense(
     np.testing.assert_array_equal(model.get_layer("emb").embeddings.numpy(), np.ones((5, 2)))
 
     # With a real learning rate, the model trains as plain Keras does.
-    kept, plain = (
-        _embedding_net(
-            OPTIMIZERS[optimizer](0.1), cls, {"jit_compile": jit_compile}, **options
-        )
-        for cls, options in ((kg.KeepGradModel, {"keep_every": keep_every}), (keras.Model, {}))
+    kept, plain = _embedding_pair(
+        lambda: OPTIMIZERS[optimizer](0.1), {"jit_compile": jit_compile}, keep_every=keep_every
     )
     for model in (kept, plain):
         model.fit(ids, y, batch_size=2, shuffle=False, verbose=0)
@@ -597,10 +600,7 @@ def test_an_update_that_creates_variables_is_traced_for_the_slots_and_runs_as_in
     # trains as in plain Keras.
     ids = np.array([[1, 1, 3], [0, 1, 4], [2, 2, 2]], dtype="int32")
     y = np.zeros((3, 1), "float32")
-    kept, plain = (
-        _embedding_net(CountingAdam(0.1), cls, {"jit_compile": True})
-        for cls in (kg.KeepGradModel, keras.Model)
-    )
+    kept, plain = _embedding_pair(lambda: CountingAdam(0.1), {"jit_compile": True})
     for model in (kept, plain):
         model.fit(ids, y, batch_size=2, shuffle=False, verbose=0)
     assert kept._keeper._slots["emb/embeddings"].indices is None  # dense: traced
