@@ -18,7 +18,11 @@ With `--instances K`, each variant is K separate model objects, timed in
 turn, and a round's time of the variant is the mean of theirs: one model
 object can be persistently a few percent faster or slower than an identical
 one in the same process (seen with the embedding model), which more rounds
-do not average out.
+do not average out. With `--processes P`, the whole timing runs in P fresh
+processes, one after another; their rounds are pooled, and the bootstrap
+draws processes before rounds, so the interval also covers what differs
+between processes (where their buffers landed, the machine's state), which
+within one process no number of rounds or objects averages out.
 
 Variants (all with the same initial weights, `Adam` or with `--optimizer
 sgd` `SGD`, the same batch):
@@ -54,6 +58,8 @@ Usage:
 ```shell
 python benchmarks/overhead.py            # full: 100 rounds, about 35 min
 python benchmarks/overhead.py --instances 2   # as in the README: over 1 h
+python benchmarks/overhead.py --models mlp_1m --jit off --processes 6 \
+    --instances 2 --rounds 30 --no-memory --no-ops   # about 10 min
 python benchmarks/overhead.py --quick    # under 3 minutes on 2 cores
 python benchmarks/overhead.py --smoke    # tiny models, 2 rounds (tests)
 ```
@@ -374,7 +380,7 @@ BOOTSTRAP_SAMPLES = 2000
 KEPT_BEYOND_FLOOR = "kept - floor"
 
 
-def bootstrap(fastest, variants, instances, seed=0, samples=BOOTSTRAP_SAMPLES):
+def bootstrap(fastest, variants, seed=0, samples=BOOTSTRAP_SAMPLES):
     """Bootstrap replicates of each variant's median overhead beyond control.
 
     `fastest[variant, i]` holds instance i's seconds per step in each round.
@@ -383,25 +389,49 @@ def bootstrap(fastest, variants, instances, seed=0, samples=BOOTSTRAP_SAMPLES):
     instances with replacement, then computes the overhead as `summarize`
     does. With `--instances` above 1 the spread between model objects (which
     more rounds do not average out) is thus in the interval; what differs
-    between whole runs (the machine's state) is not.
+    between whole runs (the machine's state) is not: see `bootstrap_runs`.
 
     Returns `{variant: array of samples}`, plus under `KEPT_BEYOND_FLOOR`
     those of kept's median overhead beyond the floor variant's, where both
     ran (as `summarize`'s `kept_beyond_floor`).
     """
+    return bootstrap_runs([fastest], variants, seed=seed, samples=samples)
+
+
+def _instances(fastest, variant="plain"):
+    return sum(1 for v, _ in fastest if v == variant)
+
+
+def bootstrap_runs(runs, variants, seed=0, samples=BOOTSTRAP_SAMPLES):
+    """As `bootstrap`, over the runs of `--processes`, one process each.
+
+    `runs` is a list of `fastest` dicts (as `bootstrap`'s), one per process.
+    With more than one, a replicate first draws the processes with
+    replacement, then within each drawn process its rounds and instances
+    as `bootstrap` does, and pools the drawn rounds: what differs between
+    processes (where each one's buffers landed, the machine's state) is then
+    in the interval too. With one run it is exactly `bootstrap`.
+    """
     rng = np.random.default_rng(seed)
-    times = {v: np.stack([fastest[v, i] for i in range(instances)]) for v in variants}
-    rounds = times["plain"].shape[1]
-    floor = "kept" in times and "floor" in times
+    times = [
+        {v: np.stack([f[v, i] for i in range(_instances(f, v))]) for v in variants}
+        for f in runs
+    ]
+    floor = "kept" in variants and "floor" in variants
     out = {v: np.empty(samples) for v in variants}
     if floor:
         out[KEPT_BEYOND_FLOOR] = np.empty(samples)
     for b in range(samples):
-        picked = rng.integers(0, rounds, rounds)
-        mean = {
-            v: t[rng.integers(0, instances, instances)][:, picked].mean(axis=0)
-            for v, t in times.items()
-        }
+        chosen = rng.integers(0, len(runs), len(runs)) if len(runs) > 1 else [0]
+        parts = []
+        for k in chosen:
+            rounds = times[k]["plain"].shape[1]
+            picked = rng.integers(0, rounds, rounds)
+            parts.append({
+                v: t[rng.integers(0, len(t), len(t))][:, picked].mean(axis=0)
+                for v, t in times[k].items()
+            })
+        mean = {v: np.concatenate([part[v] for part in parts]) for v in variants}
         control = mean["control"] / mean["plain"]
         for v in variants:
             out[v][b] = np.median(mean[v] / mean["plain"] - control)
@@ -437,6 +467,61 @@ def intervals(samples, target):
         # control in over 95% of the replicates.
         out["recompute_over_kept_low"] = low if np.isfinite(low) else None
     return out
+
+
+def config_result(runs, variants, target):
+    """Step times, overheads, intervals and verdicts of one config.
+
+    `runs`: per process, `{(variant, instance): array[rounds, 2]}` of seconds
+    per step (wall, CPU) in each round, the fastest pass of each. A round's
+    time of an instance is its fastest pass, the one least slowed by other
+    processes (interference only ever adds time). A variant's: the mean over
+    its instances, which averages out what makes one model object
+    persistently faster or slower than an identical one (where its buffers
+    landed): within a process that effect does not average out over rounds.
+    The rounds of several runs are pooled, in turn.
+    """
+    def per_round(column):
+        return {
+            v: np.concatenate([
+                np.mean([f[v, i][:, column] for i in range(_instances(f, v))], axis=0)
+                for f in runs
+            ])
+            for v in variants
+        }
+
+    wall, cpu = per_round(0), per_round(1)
+    result = {
+        "step_ms": {v: float(np.median(ts) * 1e3) for v, ts in wall.items()},
+        "seconds_per_step": {v: [float(t) for t in ts] for v, ts in wall.items()},
+        "cpu_seconds_per_step": {v: [float(t) for t in ts] for v, ts in cpu.items()},
+    }
+    result.update(summarize(wall))
+    cpu_summary = summarize(cpu)
+    result["cpu_ratio"] = cpu_summary["ratio"]
+    result["cpu_beyond_control"] = cpu_summary["beyond_control"]
+    if "kept_beyond_floor" in cpu_summary:
+        result["cpu_kept_beyond_floor"] = cpu_summary["kept_beyond_floor"]
+    result["target"] = target
+    for key, column in (("wall", 0), ("cpu", 1)):
+        samples = bootstrap_runs(
+            [{k: t[:, column] for k, t in f.items()} for f in runs], variants
+        )
+        result[f"{key}_intervals"] = intervals(samples, target)
+    result["meets_target"] = result["recompute_over_kept"] = None
+    result["meets_recompute_factor"] = None
+    if "kept" in wall:
+        kept = result["beyond_control"]["kept"]["median"]
+        if target is not None:
+            result["meets_target"] = bool(kept <= target)
+        if "recompute" in wall:
+            recompute = result["beyond_control"]["recompute"]["median"]
+            # None: keeping measured no slower than the control.
+            result["recompute_over_kept"] = float(recompute / kept) if kept > 0 else None
+            result["meets_recompute_factor"] = bool(
+                kept <= 0 or recompute >= RECOMPUTE_FACTOR * kept
+            )
+    return result
 
 
 def time_config(name, spec, jit_compile, mode, variants, log):
@@ -476,17 +561,8 @@ def time_config(name, spec, jit_compile, mode, variants, log):
                     raw[key][r, p] = run_steps(*entries[key], steps)
         finally:
             gc.enable()
-    # A round's time of an instance: its fastest pass, the one least slowed
-    # by other processes (interference only ever adds time). A variant's:
-    # the mean over its instances, which averages out what makes one model
-    # object persistently faster or slower than an identical one (where its
-    # buffers landed): within a process that effect does not average out
-    # over rounds.
+    # A round's time of an instance: its fastest pass (see `config_result`).
     fastest = {key: t.min(axis=1) / steps for key, t in raw.items()}
-    wall = {v: np.mean([fastest[v, i][:, 0] for i in range(instances)], axis=0)
-            for v in variants}
-    cpu = {v: np.mean([fastest[v, i][:, 1] for i in range(instances)], axis=0)
-           for v in variants}
     result = {
         "model": name,
         "jit_compile": jit_compile,
@@ -497,45 +573,92 @@ def time_config(name, spec, jit_compile, mode, variants, log):
         "steps_per_pass": steps,
         "passes_per_round": passes,
         "rounds": mode["rounds"],
-        "step_ms": {v: float(np.median(ts) * 1e3) for v, ts in wall.items()},
-        "seconds_per_step": {v: [float(t) for t in ts] for v, ts in wall.items()},
         # [instance][round][pass] = [wall, cpu] seconds per step, before the
         # min over passes and the mean over instances.
         "pass_seconds_per_step": {
             v: [(raw[v, i] / steps).tolist() for i in range(instances)]
             for v in variants
         },
-        "cpu_seconds_per_step": {v: [float(t) for t in ts] for v, ts in cpu.items()},
     }
-    result.update(summarize(wall))
-    cpu_summary = summarize(cpu)
-    result["cpu_ratio"] = cpu_summary["ratio"]
-    result["cpu_beyond_control"] = cpu_summary["beyond_control"]
-    if "kept_beyond_floor" in cpu_summary:
-        result["cpu_kept_beyond_floor"] = cpu_summary["kept_beyond_floor"]
-    result["target"] = TARGETS.get(name)
-    for key, column in (("wall", 0), ("cpu", 1)):
-        samples = bootstrap(
-            {k: t[:, column] for k, t in fastest.items()}, variants, instances
-        )
-        result[f"{key}_intervals"] = intervals(samples, result["target"])
-    result["meets_target"] = result["recompute_over_kept"] = None
-    result["meets_recompute_factor"] = None
-    if "kept" in wall:
-        kept = result["beyond_control"]["kept"]["median"]
-        if result["target"] is not None:
-            result["meets_target"] = bool(kept <= result["target"])
-        if "recompute" in wall:
-            recompute = result["beyond_control"]["recompute"]["median"]
-            # None: keeping measured no slower than the control.
-            result["recompute_over_kept"] = float(recompute / kept) if kept > 0 else None
-            result["meets_recompute_factor"] = bool(
-                kept <= 0 or recompute >= RECOMPUTE_FACTOR * kept
-            )
+    result.update(config_result([fastest], variants, TARGETS.get(name)))
     del entries
     keras.backend.clear_session()
     gc.collect()
     return result
+
+
+def _child_argv(argv):
+    """`argv` without `--processes` and `--out`: one process of the timing."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--processes", "--out"):
+            skip = True
+        elif not arg.startswith(("--processes=", "--out=")):
+            out.append(arg)
+    return out
+
+
+def fastest_from(config):
+    """`{(variant, instance): array[rounds, 2]}` from a config's JSON."""
+    return {
+        (v, i): np.asarray(passes).min(axis=1)
+        for v, per_instance in config["pass_seconds_per_step"].items()
+        for i, passes in enumerate(per_instance)
+    }
+
+
+def combine_processes(runs):
+    """One config per model and jit from the results of several processes.
+
+    Each config pools the rounds of all processes (`config_result`) and
+    bootstraps over processes too (`bootstrap_runs`); `per_process` keeps
+    what each process measured alone.
+    """
+    configs = []
+    variants = runs[0]["variants"]
+    for c, first in enumerate(runs[0]["configs"]):
+        per = [run["configs"][c] for run in runs]
+        config = {key: first[key] for key in (
+            "model", "jit_compile", "params", "param_mb", "batch_size",
+            "instances", "passes_per_round")}
+        config["processes"] = len(per)
+        config["rounds"] = sum(p["rounds"] for p in per)
+        config["steps_per_pass"] = [p["steps_per_pass"] for p in per]
+        config.update(config_result([fastest_from(p) for p in per], variants,
+                                    first["target"]))
+        config["per_process"] = [
+            {"kept_beyond_control": p["beyond_control"].get("kept"),
+             "kept_ci90": p["wall_intervals"]["ci90"].get("kept"),
+             "kept_beyond_floor": p.get("kept_beyond_floor"),
+             "plain_step_ms": p["step_ms"]["plain"]}
+            for p in per
+        ]
+        configs.append(config)
+    return configs
+
+
+def time_in_processes(argv, processes, out, log):
+    """Runs the timing in `processes` fresh processes, one after another.
+
+    Returns the combined configs and each process's own results.
+    """
+    runs = []
+    for k in range(processes):
+        path = f"{out}.process-{k + 1}.json"
+        log(f"process {k + 1} of {processes}:")
+        # The child's tables go nowhere: its JSON has them, and the parent
+        # prints the combined ones. Its log goes to stderr as ours.
+        subprocess.run(
+            [sys.executable, os.path.abspath(__file__), *_child_argv(argv),
+             "--no-memory", "--no-ops", "--out", path],
+            check=True, stdout=subprocess.DEVNULL,
+        )
+        with open(path) as f:
+            runs.append(json.load(f))
+        os.remove(path)
+    return combine_processes(runs), runs
 
 
 # --- op counts -------------------------------------------------------------
@@ -806,13 +929,28 @@ def markdown(results):
             "overhead beyond the control, the median of per-round "
             "`time(variant) / time(plain) - time(control) / time(plain)`. "
             "Interval: a bootstrap 90% interval of kept's median (rounds and, "
-            "with several instances, model objects resampled); recompute / "
+            "with several instances, model objects resampled; with several "
+            "processes, the processes first); recompute / "
             "kept in parentheses: the bootstrap's 5th percentile. Target "
             "verdict by interval: met (all of it within the target), missed "
             "(all of it beyond), undecided (it spans the target). Kept beyond "
             "floor: the median of per-round `(time(kept) - time(floor)) / "
             "time(plain)`, with its bootstrap 90% interval.",
         ]
+    runs = [c for c in results["configs"] if "per_process" in c]
+    if runs:
+        lines += ["", "Each process alone (`--processes`), kept beyond the control, "
+                  "wall time, median [its 90% interval]:", ""]
+        for c in runs:
+            cells = []
+            for p in c["per_process"]:
+                kept = p["kept_beyond_control"]
+                cell = "?" if kept is None else _pct(kept["median"])
+                if p["kept_ci90"]:
+                    cell += f" [{_pct(p['kept_ci90'][0])}, {_pct(p['kept_ci90'][1])}]"
+                cells.append(cell)
+            lines.append(f"- {c['model']}, jit {'on' if c['jit_compile'] else 'off'}: "
+                         + ", ".join(cells))
     if results.get("op_counts"):
         lines += ["", "| model | plain ops | keep_gradients=False ops | kept ops | "
                   "off == plain | extra ops when kept |", "|---|---|---|---|---|---|"]
@@ -876,6 +1014,10 @@ def main(argv=None):
     parser.add_argument("--instances", type=_positive_int,
                         help="model objects per variant, timed in turn and "
                              "averaged (default 1)")
+    parser.add_argument("--processes", type=_positive_int,
+                        help="time in this many fresh processes, one after "
+                             "another, and pool their rounds: the interval then "
+                             "covers what differs between processes (default 1)")
     parser.add_argument("--models", nargs="+", help="only these models")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam",
                         help="optimizer of every variant (default adam)")
@@ -953,12 +1095,21 @@ def main(argv=None):
 
     log(f"mode={mode_name}, rounds={mode['rounds']}, optimizer={OPTIMIZER}, "
         f"load={os.getloadavg()}")
-    for name in names if not args.no_timing else ():
-        for jit_compile in jits:
-            results["configs"].append(
-                time_config(name, specs[name], jit_compile, mode, variants, log)
-            )
-            save()
+    if args.no_timing:
+        pass
+    elif args.processes and args.processes > 1:
+        argv = sys.argv[1:] if argv is None else list(argv)
+        results["configs"], results["process_runs"] = time_in_processes(
+            argv, args.processes, out, log
+        )
+        save()
+    else:
+        for name in names:
+            for jit_compile in jits:
+                results["configs"].append(
+                    time_config(name, specs[name], jit_compile, mode, variants, log)
+                )
+                save()
     log(f"  timing done at {time.perf_counter() - started:.0f}s")
     if not args.no_ops:
         for name in names:

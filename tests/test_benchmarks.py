@@ -130,7 +130,7 @@ def test_bootstrap_interval_spans_the_spread_between_model_objects():
         ("recompute", 0): 2.0 * machine, ("recompute", 1): 2.0 * machine,
     }
     variants = ["plain", "control", "kept", "recompute"]
-    samples = overhead.bootstrap(fastest, variants, instances=2, samples=400)
+    samples = overhead.bootstrap(fastest, variants, samples=400)
     assert set(np.unique(samples["kept"])) == {0.25, 0.5, 0.75}
     assert set(np.unique(samples["recompute"])) == {1.0}
 
@@ -145,16 +145,87 @@ def test_bootstrap_interval_spans_the_spread_between_model_objects():
     # With a floor variant, kept's overhead beyond it: kept's mean is 1.25,
     # 1.5 or 1.75 times plain's and the floor's always 1.25, so 0, 0.25 or 0.5.
     fastest["floor", 0] = fastest["floor", 1] = 1.25 * machine
-    samples = overhead.bootstrap(fastest, variants + ["floor"], instances=2, samples=400)
+    samples = overhead.bootstrap(fastest, variants + ["floor"], samples=400)
     assert set(np.unique(samples[overhead.KEPT_BEYOND_FLOOR])) == {0.0, 0.25, 0.5}
     found = overhead.intervals(samples, target=0.5)
     assert found["kept_beyond_floor_ci90"] == [0.0, 0.5]
     assert set(found["ci90"]) == {"plain", "control", "kept", "recompute", "floor"}
     assert overhead.intervals(
-        overhead.bootstrap(fastest, variants, instances=2, samples=10), target=0.5
+        overhead.bootstrap(fastest, variants, samples=10), target=0.5
     )["kept_beyond_floor_ci90"] is None
 
     # One instance: only the rounds are drawn; identical rounds leave no spread.
     one = {k: v for k, v in fastest.items() if k[1] == 0}
-    samples = overhead.bootstrap(one, variants, instances=1, samples=50)
+    samples = overhead.bootstrap(one, variants, samples=50)
     assert overhead.intervals(samples, target=0.25)["ci90"]["kept"] == [0.25, 0.25]
+
+
+def test_bootstrap_over_processes_draws_whole_processes_before_rounds():
+    overhead = _overhead_module()
+    # Process A ran 1 round, B 3; one instance each, control equal to plain.
+    # Kept's overhead is 0.25 in A's round and 0.75 in each of B's. A
+    # replicate draws 2 processes: AA pools 2 rounds at 0.25 (median 0.25);
+    # AB, BA and BB pool at least 3 rounds at 0.75 and at most 1 at 0.25
+    # (median 0.75). Rounds drawn from one flat pool of 4 would also give
+    # 2 + 2, median 0.5: that value must never appear.
+    def run(machine, kept):
+        machine = np.asarray(machine)
+        return {("plain", 0): machine, ("control", 0): machine,
+                ("kept", 0): kept * machine}
+
+    runs = [run([1.0], 1.25), run([1.0, 2.0, 4.0], 1.75)]
+    samples = overhead.bootstrap_runs(runs, ["plain", "control", "kept"], samples=400)
+    assert set(np.unique(samples["kept"])) == {0.25, 0.75}
+    # AA has probability 1/4.
+    assert 0.15 < np.mean(samples["kept"] == 0.25) < 0.35
+    assert set(np.unique(samples["control"])) == {0.0}
+
+    # The combined config pools the rounds of both, in turn: per round
+    # 0.25, 0.75, 0.75, 0.75, so the median is 0.75.
+    found = overhead.config_result(
+        [{k: np.stack([t, t], axis=1) for k, t in r.items()} for r in runs],
+        ["plain", "control", "kept"], target=0.5,
+    )
+    assert found["seconds_per_step"]["kept"] == [1.25, 1.75, 3.5, 7.0]
+    assert found["beyond_control"]["kept"]["median"] == 0.75
+    assert found["wall_intervals"]["ci90"]["kept"] == [0.25, 0.75]
+    assert found["wall_intervals"]["target_verdict"] == "undecided"
+    assert found["meets_target"] is False
+
+
+def test_overhead_in_processes_pools_their_rounds(tmp_path):
+    out = tmp_path / "processes.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "overhead.py"),
+         "--smoke", "--processes", "2", "--models", "mlp_1m", "--variants",
+         "kept", "floor", "--no-memory", "--no-ops", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "process 2 of 2:" in proc.stderr
+    assert "Each process alone (`--processes`)" in proc.stdout
+    results = json.loads(out.read_text())
+    assert results["complete"] is True
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["processes.json"]
+
+    runs = results["process_runs"]
+    assert len(runs) == 2
+    (config,) = results["configs"]
+    assert (config["model"], config["jit_compile"], config["processes"]) == ("mlp_1m", False, 2)
+    # 2 smoke rounds per process, pooled in process order.
+    assert config["rounds"] == 4
+    for variant in ("plain", "control", "kept", "floor"):
+        assert config["seconds_per_step"][variant] == (
+            runs[0]["configs"][0]["seconds_per_step"][variant]
+            + runs[1]["configs"][0]["seconds_per_step"][variant]
+        )
+    assert [p["kept_beyond_control"] for p in config["per_process"]] == [
+        run["configs"][0]["beyond_control"]["kept"] for run in runs
+    ]
+    low, high = config["wall_intervals"]["ci90"]["kept"]
+    assert low <= high
+    assert results["op_counts"] == [] and results["memory"] == []
