@@ -36,7 +36,9 @@ sgd` `SGD`, the same batch):
 - `floor`: a reference point, the issue's "one parameter-sized write per
   step" and nothing else: Keras's own `train_step`, then a copy of each
   trainable variable (just updated, as a gradient is just computed) into a
-  `tf.Variable`. The targets stay overhead beyond the control; the tables
+  `tf.Variable`. Without XLA the assign itself shares the weight's buffer;
+  the copy happens in the next step's in-place update of the weight
+  (copy-on-write). The targets stay overhead beyond the control; the tables
   also give kept's overhead beyond the floor, the median of per-round
   `(time(kept) - time(floor)) / time(plain)`. Where kept writes less than
   the parameters (sparse rows, as with `--optimizer sgd` on the embedding
@@ -235,7 +237,9 @@ class FloorModel(_WithSlots):
     """Keras's own `train_step`, then one parameter-sized write.
 
     Each trainable variable's new value is copied into a `tf.Variable`: the
-    floor of keeping anything, with no gradient involved.
+    floor of keeping anything, with no gradient involved. (Without XLA the
+    assign shares the weight's buffer, and the next update of the weight
+    copies it before changing it in place.)
     """
 
     def train_step(self, data):

@@ -682,9 +682,9 @@ def test_off_traces_exactly_the_ops_of_a_plain_model():
 @pytest.mark.parametrize("kind", ["dense", "embedding", "keep_every"])
 def test_each_update_comes_after_its_slot_write(kind):
     # The optimizer's update of a variable reads the gradient after its slot
-    # write, so the update may reuse the gradient's buffer (one extra buffer
-    # in memory, not two; see `_keeper.after`). A sparse slot is written as
-    # values and indices; with keep_every the writes sit in one conditional.
+    # write (the order that measured one extra buffer in peak memory, not up
+    # to two; see `_keeper.after`). A sparse slot is written as values and
+    # indices; with keep_every the writes sit in one conditional.
     if kind == "embedding":
         inputs = keras.Input((2,), dtype="int32")
         hidden = keras.layers.Flatten()(keras.layers.Embedding(5, 3, name="a")(inputs))
