@@ -20,9 +20,10 @@ object can be persistently a few percent faster or slower than an identical
 one in the same process (seen with the embedding model), which more rounds
 do not average out. With `--processes P`, the whole timing runs in P fresh
 processes, one after another; their rounds are pooled, and the bootstrap
-draws processes before rounds, so the interval also covers what differs
-between processes (where their buffers landed, the machine's state), which
-within one process no number of rounds or objects averages out.
+draws processes before rounds, so with several processes the interval also
+covers what differs between whole processes (the machine's state while
+each ran, whatever a process's own start leaves behind), which no number
+of rounds or objects within one process averages out.
 
 Variants (all with the same initial weights, `Adam` or with `--optimizer
 sgd` `SGD`, the same batch):
@@ -36,10 +37,12 @@ sgd` `SGD`, the same batch):
 - `floor`: a reference point, the issue's "one parameter-sized write per
   step" and nothing else: Keras's own `train_step`, then a copy of each
   trainable variable (just updated, as a gradient is just computed) into a
-  `tf.Variable`. Without XLA the assign itself shares the weight's buffer;
-  the copy happens in the next step's in-place update of the weight
-  (copy-on-write). The targets stay overhead beyond the control; the tables
-  also give kept's overhead beyond the floor, the median of per-round
+  `tf.Variable`. Without XLA the assign itself shares the weight's buffer,
+  and the copy happens in the next step's in-place update of the weight
+  (copy-on-write); for a variable a sparse update has touched (the
+  embedding table with `--optimizer sgd`), in the read instead. The targets
+  stay overhead beyond the control; the tables also give kept's overhead
+  beyond the floor, the median of per-round
   `(time(kept) - time(floor)) / time(plain)`. Where kept writes less than
   the parameters (sparse rows, as with `--optimizer sgd` on the embedding
   model) it can be negative.
@@ -85,6 +88,7 @@ import platform
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -239,7 +243,8 @@ class FloorModel(_WithSlots):
     Each trainable variable's new value is copied into a `tf.Variable`: the
     floor of keeping anything, with no gradient involved. (Without XLA the
     assign shares the weight's buffer, and the next update of the weight
-    copies it before changing it in place.)
+    copies it before changing it in place; after a sparse update, the read
+    copies.)
     """
 
     def train_step(self, data):
@@ -591,17 +596,22 @@ def time_config(name, spec, jit_compile, mode, variants, log):
     return result
 
 
-def _child_argv(argv):
-    """`argv` without `--processes` and `--out`: one process of the timing."""
-    out, skip = [], False
+def child_args(argv, out):
+    """The arguments of one process of `--processes`: `argv`, timing only,
+    in this one process, its JSON to `out`.
+
+    The last occurrence of an option wins, also over an abbreviation
+    (`--proc 3`) that argparse accepts.
+    """
+    args, skip = [], False
     for arg in argv:
         if skip:
             skip = False
         elif arg in ("--processes", "--out"):
             skip = True
         elif not arg.startswith(("--processes=", "--out=")):
-            out.append(arg)
-    return out
+            args.append(arg)
+    return args + ["--no-memory", "--no-ops", "--processes", "1", "--out", out]
 
 
 def fastest_from(config):
@@ -618,18 +628,22 @@ def combine_processes(runs):
 
     Each config pools the rounds of all processes (`config_result`) and
     bootstraps over processes too (`bootstrap_runs`); `per_process` keeps
-    what each process measured alone.
+    what each process measured alone. Unlike a config timed in one process,
+    it has `steps_per_pass_by_process` (steps are sized in each process)
+    and no `pass_seconds_per_step` (each process's is in `process_runs`).
     """
     configs = []
     variants = runs[0]["variants"]
     for c, first in enumerate(runs[0]["configs"]):
         per = [run["configs"][c] for run in runs]
+        if len({(p["model"], p["jit_compile"]) for p in per}) != 1:
+            raise ValueError(f"The processes timed different configs at {c}.")
         config = {key: first[key] for key in (
             "model", "jit_compile", "params", "param_mb", "batch_size",
             "instances", "passes_per_round")}
         config["processes"] = len(per)
         config["rounds"] = sum(p["rounds"] for p in per)
-        config["steps_per_pass"] = [p["steps_per_pass"] for p in per]
+        config["steps_per_pass_by_process"] = [p["steps_per_pass"] for p in per]
         config.update(config_result([fastest_from(p) for p in per], variants,
                                     first["target"]))
         config["per_process"] = [
@@ -643,26 +657,23 @@ def combine_processes(runs):
     return configs
 
 
-def time_in_processes(argv, processes, out, log):
+def time_in_processes(argv, processes, log):
     """Runs the timing in `processes` fresh processes, one after another.
 
-    Returns the combined configs and each process's own results.
+    Yields each process's results as it ends.
     """
-    runs = []
-    for k in range(processes):
-        path = f"{out}.process-{k + 1}.json"
-        log(f"process {k + 1} of {processes}:")
-        # The child's tables go nowhere: its JSON has them, and the parent
-        # prints the combined ones. Its log goes to stderr as ours.
-        subprocess.run(
-            [sys.executable, os.path.abspath(__file__), *_child_argv(argv),
-             "--no-memory", "--no-ops", "--out", path],
-            check=True, stdout=subprocess.DEVNULL,
-        )
-        with open(path) as f:
-            runs.append(json.load(f))
-        os.remove(path)
-    return combine_processes(runs), runs
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(processes):
+            path = os.path.join(tmp, f"process-{k + 1}.json")
+            log(f"process {k + 1} of {processes}:")
+            # The child's tables go nowhere: its JSON has them, and the
+            # parent prints the combined ones. Its log goes to stderr.
+            subprocess.run(
+                [sys.executable, os.path.abspath(__file__), *child_args(argv, path)],
+                check=True, stdout=subprocess.DEVNULL,
+            )
+            with open(path) as f:
+                yield json.load(f)
 
 
 # --- op counts -------------------------------------------------------------
@@ -1005,7 +1016,7 @@ def _positive_float(text):
     return value
 
 
-def main(argv=None):
+def make_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--quick", action="store_true", help="8 rounds, < 3 min")
@@ -1020,8 +1031,9 @@ def main(argv=None):
                              "averaged (default 1)")
     parser.add_argument("--processes", type=_positive_int,
                         help="time in this many fresh processes, one after "
-                             "another, and pool their rounds: the interval then "
-                             "covers what differs between processes (default 1)")
+                             "another, and pool their rounds: with several, the "
+                             "interval covers what differs between processes "
+                             "(default 1)")
     parser.add_argument("--models", nargs="+", help="only these models")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam",
                         help="optimizer of every variant (default adam)")
@@ -1038,7 +1050,11 @@ def main(argv=None):
     parser.add_argument("--memory-child", nargs=2, metavar=("MODEL", "VARIANT"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=20, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = make_parser().parse_args(argv)
     global OPTIMIZER
     OPTIMIZER = args.optimizer
 
@@ -1102,10 +1118,13 @@ def main(argv=None):
     if args.no_timing:
         pass
     elif args.processes and args.processes > 1:
+        # Saved after each process: an interrupted run keeps what it measured.
+        results["process_runs"] = []
         argv = sys.argv[1:] if argv is None else list(argv)
-        results["configs"], results["process_runs"] = time_in_processes(
-            argv, args.processes, out, log
-        )
+        for run in time_in_processes(argv, args.processes, log):
+            results["process_runs"].append(run)
+            save()
+        results["configs"] = combine_processes(results["process_runs"])
         save()
     else:
         for name in names:

@@ -91,9 +91,10 @@ def after(writes, grads):
     """`grads`, each as a tensor that exists only once its slot is written.
 
     `train_step` hands the optimizer these, so that each slot write comes
-    before the optimizer's update of that variable. The write copies
-    nothing: TensorFlow's `AssignVariableOp` makes the slot share the
-    gradient's buffer (copy-on-write), and the slot holds it until the next
+    before the optimizer's update of that variable. Without XLA the write
+    copies nothing: TensorFlow's `AssignVariableOp` makes the slot (which no
+    sparse op touches, so it is not in copy-on-read mode) share the
+    gradient's buffer, copy-on-write, and the slot holds it until the next
     write. That is the one parameter-sized buffer keeping costs; the price
     is that the update's ops cannot reuse that buffer for their results.
     The order rests on a measurement (10M-parameter MLP, peak RSS over plain
