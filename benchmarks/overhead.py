@@ -389,37 +389,27 @@ BOOTSTRAP_SAMPLES = 2000
 KEPT_BEYOND_FLOOR = "kept - floor"
 
 
-def bootstrap(fastest, variants, seed=0, samples=BOOTSTRAP_SAMPLES):
-    """Bootstrap replicates of each variant's median overhead beyond control.
-
-    `fastest[variant, i]` holds instance i's seconds per step in each round.
-    A replicate draws the rounds with replacement (the same draw for every
-    variant: rounds are paired) and, for each variant separately, its
-    instances with replacement, then computes the overhead as `summarize`
-    does. With `--instances` above 1 the spread between model objects (which
-    more rounds do not average out) is thus in the interval; what differs
-    between whole runs (the machine's state) is not: see `bootstrap_runs`.
-
-    Returns `{variant: array of samples}`, plus under `KEPT_BEYOND_FLOOR`
-    those of kept's median overhead beyond the floor variant's, where both
-    ran (as `summarize`'s `kept_beyond_floor`).
-    """
-    return bootstrap_runs([fastest], variants, seed=seed, samples=samples)
-
-
 def _instances(fastest, variant="plain"):
     return sum(1 for v, _ in fastest if v == variant)
 
 
-def bootstrap_runs(runs, variants, seed=0, samples=BOOTSTRAP_SAMPLES):
-    """As `bootstrap`, over the runs of `--processes`, one process each.
+def bootstrap(runs, variants, seed=0, samples=BOOTSTRAP_SAMPLES):
+    """Bootstrap replicates of each variant's median overhead beyond control.
 
-    `runs` is a list of `fastest` dicts (as `bootstrap`'s), one per process.
-    With more than one, a replicate first draws the processes with
-    replacement, then within each drawn process its rounds and instances
-    as `bootstrap` does, and pools the drawn rounds: what differs between
-    processes (where each one's buffers landed, the machine's state) is then
-    in the interval too. With one run it is exactly `bootstrap`.
+    `runs` holds one `fastest` per process (one, unless `--processes`):
+    `fastest[variant, i]`, instance i's seconds per step in each round. A
+    replicate draws the rounds with replacement (the same draw for every
+    variant: rounds are paired) and, for each variant separately, its
+    instances with replacement, then computes the overhead as `summarize`
+    does. With `--instances` above 1 the spread between model objects (which
+    more rounds do not average out) is thus in the interval. With several
+    runs, a replicate first draws the processes with replacement, then the
+    rounds and instances within each drawn one, and pools the drawn rounds:
+    what differs between whole processes is then in the interval too.
+
+    Returns `{variant: array of samples}`, plus under `KEPT_BEYOND_FLOOR`
+    those of kept's median overhead beyond the floor variant's, where both
+    ran (as `summarize`'s `kept_beyond_floor`).
     """
     rng = np.random.default_rng(seed)
     times = [
@@ -513,7 +503,7 @@ def config_result(runs, variants, target):
         result["cpu_kept_beyond_floor"] = cpu_summary["kept_beyond_floor"]
     result["target"] = target
     for key, column in (("wall", 0), ("cpu", 1)):
-        samples = bootstrap_runs(
+        samples = bootstrap(
             [{k: t[:, column] for k, t in f.items()} for f in runs], variants
         )
         result[f"{key}_intervals"] = intervals(samples, target)
@@ -627,7 +617,7 @@ def combine_processes(runs):
     """One config per model and jit from the results of several processes.
 
     Each config pools the rounds of all processes (`config_result`) and
-    bootstraps over processes too (`bootstrap_runs`); `per_process` keeps
+    bootstraps over processes too (`bootstrap`); `per_process` keeps
     what each process measured alone. Unlike a config timed in one process,
     it has `steps_per_pass_by_process` (steps are sized in each process)
     and no `pass_seconds_per_step` (each process's is in `process_runs`).

@@ -130,7 +130,7 @@ def test_bootstrap_interval_spans_the_spread_between_model_objects():
         ("recompute", 0): 2.0 * machine, ("recompute", 1): 2.0 * machine,
     }
     variants = ["plain", "control", "kept", "recompute"]
-    samples = overhead.bootstrap(fastest, variants, samples=400)
+    samples = overhead.bootstrap([fastest], variants, samples=400)
     assert set(np.unique(samples["kept"])) == {0.25, 0.5, 0.75}
     assert set(np.unique(samples["recompute"])) == {1.0}
 
@@ -145,18 +145,18 @@ def test_bootstrap_interval_spans_the_spread_between_model_objects():
     # With a floor variant, kept's overhead beyond it: kept's mean is 1.25,
     # 1.5 or 1.75 times plain's and the floor's always 1.25, so 0, 0.25 or 0.5.
     fastest["floor", 0] = fastest["floor", 1] = 1.25 * machine
-    samples = overhead.bootstrap(fastest, variants + ["floor"], samples=400)
+    samples = overhead.bootstrap([fastest], variants + ["floor"], samples=400)
     assert set(np.unique(samples[overhead.KEPT_BEYOND_FLOOR])) == {0.0, 0.25, 0.5}
     found = overhead.intervals(samples, target=0.5)
     assert found["kept_beyond_floor_ci90"] == [0.0, 0.5]
     assert set(found["ci90"]) == {"plain", "control", "kept", "recompute", "floor"}
     assert overhead.intervals(
-        overhead.bootstrap(fastest, variants, samples=10), target=0.5
+        overhead.bootstrap([fastest], variants, samples=10), target=0.5
     )["kept_beyond_floor_ci90"] is None
 
     # One instance: only the rounds are drawn; identical rounds leave no spread.
     one = {k: v for k, v in fastest.items() if k[1] == 0}
-    samples = overhead.bootstrap(one, variants, samples=50)
+    samples = overhead.bootstrap([one], variants, samples=50)
     assert overhead.intervals(samples, target=0.25)["ci90"]["kept"] == [0.25, 0.25]
 
 
@@ -174,7 +174,7 @@ def test_bootstrap_over_processes_draws_whole_processes_before_rounds():
                 ("kept", 0): kept * machine}
 
     runs = [run([1.0], 1.25), run([1.0, 2.0, 4.0], 1.75)]
-    samples = overhead.bootstrap_runs(runs, ["plain", "control", "kept"], samples=400)
+    samples = overhead.bootstrap(runs, ["plain", "control", "kept"], samples=400)
     assert set(np.unique(samples["kept"])) == {0.25, 0.75}
     # AA has probability 1/4.
     assert 0.15 < np.mean(samples["kept"] == 0.25) < 0.35
