@@ -468,6 +468,17 @@ def intervals(samples, target):
     return out
 
 
+def fastest_from(config):
+    """`{(variant, instance): array[rounds, 2]}`: each round's fastest pass
+    (wall, CPU seconds per step) of each instance, from a config's
+    `pass_seconds_per_step`."""
+    return {
+        (v, i): np.asarray(passes).min(axis=1)
+        for v, per_instance in config["pass_seconds_per_step"].items()
+        for i, passes in enumerate(per_instance)
+    }
+
+
 def config_result(runs, variants, target):
     """Step times, overheads, intervals and verdicts of one config.
 
@@ -560,8 +571,6 @@ def time_config(name, spec, jit_compile, mode, variants, log):
                     raw[key][r, p] = run_steps(*entries[key], steps)
         finally:
             gc.enable()
-    # A round's time of an instance: its fastest pass (see `config_result`).
-    fastest = {key: t.min(axis=1) / steps for key, t in raw.items()}
     result = {
         "model": name,
         "jit_compile": jit_compile,
@@ -579,7 +588,8 @@ def time_config(name, spec, jit_compile, mode, variants, log):
             for v in variants
         },
     }
-    result.update(config_result([fastest], variants, TARGETS.get(name)))
+    # A round's time of an instance: its fastest pass (see `config_result`).
+    result.update(config_result([fastest_from(result)], variants, TARGETS.get(name)))
     del entries
     keras.backend.clear_session()
     gc.collect()
@@ -602,15 +612,6 @@ def child_args(argv, out):
         elif not arg.startswith(("--processes=", "--out=")):
             args.append(arg)
     return args + ["--no-memory", "--no-ops", "--processes", "1", "--out", out]
-
-
-def fastest_from(config):
-    """`{(variant, instance): array[rounds, 2]}` from a config's JSON."""
-    return {
-        (v, i): np.asarray(passes).min(axis=1)
-        for v, per_instance in config["pass_seconds_per_step"].items()
-        for i, passes in enumerate(per_instance)
-    }
 
 
 def combine_processes(runs):
