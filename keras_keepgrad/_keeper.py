@@ -349,7 +349,7 @@ def _spec_of(grad, dense_shape, sparse):
     if isinstance(grad, tf.IndexedSlices):
         values = grad.values
         if sparse:
-            return ("sparse", values.dtype, tuple(values.shape[1:]), grad.indices.dtype)
+            return ("sparse", values.dtype, tuple(values.shape[1:]))
         return ("dense", values.dtype, tuple(dense_shape))
     return ("dense", grad.dtype, tuple(grad.shape))
 
@@ -376,10 +376,16 @@ class _Slot:
     `partial=True` the copies hold the replicas' partial gradients and a
     read sums this process's copies (`SUM` aggregation: an assignment
     outside the step splits the value among them); otherwise each copy
-    holds the whole gradient and a read takes the first.
+    holds the whole gradient and a read takes the first. A sparse slot's
+    indices keep the dtype of the first gradient's (`index_dtype`); later
+    ones are cast to it (`cast_indices`), so a retrace on ids of another
+    dtype (a subclassed model's inputs are not cast) writes the same slot
+    rather than needing a new variable mid-trace.
     """
 
-    def __init__(self, path, spec, dense_shape, strategy, partial=False):
+    def __init__(
+        self, path, spec, dense_shape, strategy, partial=False, index_dtype=tf.int64
+    ):
         self.spec = spec
         self.dense_shape = tuple(dense_shape)
         self.strategy = strategy
@@ -396,7 +402,7 @@ class _Slot:
                 self.values = tf.Variable(tf.zeros(shape, dtype), name=name, **values)
                 self.indices = None
             else:
-                _, dtype, row_shape, index_dtype = spec
+                _, dtype, row_shape = spec
                 self.values = tf.Variable(
                     tf.zeros((0,) + row_shape, dtype),
                     shape=tf.TensorShape((None,) + row_shape),
@@ -414,13 +420,17 @@ class _Slot:
     def dtype(self):
         return self.spec[1]
 
+    def cast_indices(self, indices):
+        """`indices` in this sparse slot's index dtype (no op if already)."""
+        return tf.cast(indices, self.indices.dtype)
+
     def assign(self, grad):
         """Writes `grad`; returns the write ops (None where eager)."""
         if self.indices is None:
             return [self.values.assign(densify(grad), read_value=False)]
         return [
             self.values.assign(grad.values, read_value=False),
-            self.indices.assign(grad.indices, read_value=False),
+            self.indices.assign(self.cast_indices(grad.indices), read_value=False),
         ]
 
     def _copies(self, variable):
@@ -504,7 +514,12 @@ class GradientKeeper:
             or slot.strategy is not strategy
             or slot.partial != partial
         ):
-            slot = _Slot(variable.path, spec, variable.shape, strategy, partial)
+            index_dtype = (
+                grad.indices.dtype if isinstance(grad, tf.IndexedSlices) else tf.int64
+            )
+            slot = _Slot(
+                variable.path, spec, variable.shape, strategy, partial, index_dtype
+            )
             self._slots[variable.path] = slot
         return slot
 
@@ -541,7 +556,7 @@ class GradientKeeper:
             if not now:
                 deferred.slots.append(slot)
                 deferred.values.append(grad.values)
-                deferred.indices.append(grad.indices)
+                deferred.indices.append(slot.cast_indices(grad.indices))
 
         def write():
             for slot, grad, now in zip(slots, grads, here):

@@ -392,6 +392,42 @@ def test_embedding_gradient_is_dense_with_repeated_ids_summed(mode_name):
     np.testing.assert_array_equal(kept[:, 0], [6.0, 18.0, 0.0, 6.0, 6.0])
 
 
+class _EmbeddingNet(kg.KeepGradModel):
+    """`_embedding_net` subclassed: its ids reach the layer uncast."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.emb = keras.layers.Embedding(
+            5, 2, embeddings_initializer="ones", name="emb"
+        )
+        self.head = keras.layers.Dense(
+            1, use_bias=False, kernel_initializer="ones", name="head"
+        )
+
+    def call(self, ids):
+        return self.head(keras.ops.reshape(self.emb(ids), (-1, 6)))
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_ids_of_another_dtype_retrace_into_the_same_sparse_slot(jit_compile):
+    # A subclassed model's int32 ids after int64 ones retrace the training
+    # function; the sparse slot made for int64 indices takes the int32 ones
+    # (cast) instead of a new variable, which TensorFlow forbids mid-trace.
+    model = _EmbeddingNet(name="net")
+    model.compile(keras.optimizers.SGD(0.0), "mse", jit_compile=jit_compile)
+    y = np.zeros((2, 1), "float32")
+    model.fit(np.array([[1, 1, 3], [0, 1, 4]], "int64"), y, verbose=0)
+    slot = model._keeper._slots["net/emb/embeddings"]
+    model.fit(np.array([[2, 2, 2], [0, 0, 1]], "int32"), y, verbose=0)
+
+    assert model._keeper._slots["net/emb/embeddings"] is slot
+    # Every output is 6, d(loss)/d(output) = 6 per sample: 6 per occurrence,
+    # id 2 three times, id 0 twice, id 1 once.
+    kept = model.gradients["net"]["emb"]["embeddings"]
+    np.testing.assert_array_equal(kept[:, 0], [12.0, 6.0, 18.0, 0.0, 0.0])
+    np.testing.assert_array_equal(kept[:, 1], kept[:, 0])
+
+
 @pytest.mark.parametrize("keep_every", [1, 2])
 @pytest.mark.parametrize("setup", ["fit", "steps_per_execution", "mirrored"])
 def test_under_xla_sparse_gradients_are_kept_as_the_batch_rows(keep_every, setup):
