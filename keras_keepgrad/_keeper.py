@@ -14,6 +14,7 @@ the optimizer's update densifies the gradient anyway (`densified_in`): then
 the slot is dense and XLA computes the dense tensor once for both.
 """
 
+import collections
 import contextlib
 import itertools
 import re
@@ -451,6 +452,20 @@ class _Slot:
         return copies[0]
 
 
+def _check_unique_paths(variables):
+    """Raises if two variables share a path: slots and reads are keyed by it."""
+    counts = collections.Counter(v.path for v in variables)
+    shared = sorted(path for path, n in counts.items() if n > 1)
+    if shared:
+        raise ValueError(
+            "Kept gradients are keyed by variable path, and several trainable "
+            f"variables share the path{'s' if len(shared) > 1 else ''} "
+            f"{', '.join(repr(p) for p in shared)} (two layers with the same "
+            "`name`?). Give each layer a unique `name`, or build the model "
+            "with `keep_gradients=False`."
+        )
+
+
 _KEEPER_SERIALS = itertools.count()
 
 
@@ -497,6 +512,7 @@ class GradientKeeper:
 
     def rebuild(self, variables, grads, strategy):
         """Fresh zero slots for `variables`, shaped after traced `grads`."""
+        _check_unique_paths(variables)
         self._slots = {}
         self.paths = None
         for variable, grad in zip(variables, grads):
@@ -543,6 +559,7 @@ class GradientKeeper:
             conditional write of all (for `after`; None when executing
             eagerly; none for a sparse slot under `deferring_sparse_writes`).
         """
+        _check_unique_paths(variables)
         reduced = reduces_in_step(strategy)
         if reduced:
             grads = all_reduce_sum(grads)

@@ -300,6 +300,7 @@ class KeepGradModel(keras.Model):
                 self._symbolic_build(data_batch=spec)
         variables = list(self.trainable_variables)
         if not variables:
+            self._keeper.rebuild([], [], strategy)  # `gradients` reads {}
             return
 
         @tf.function(autograph=False)

@@ -1031,3 +1031,40 @@ def test_dict_outputs_keep_each_heads_gradient():
     # Total loss = mse_a + mse_b: each head's gradient is its own 5w.
     np.testing.assert_array_equal(model.gradients["a"]["kernel"], [[15.0]])
     np.testing.assert_array_equal(model.gradients["b"]["kernel"], [[5.0]])
+
+
+def test_layers_sharing_a_name_get_a_clear_error_not_a_lost_gradient():
+    # Keras trains two layers both named "d"; their variables share a path,
+    # the key of the kept gradients, so one of them would be lost.
+    class Net(kg.KeepGradModel):
+        def __init__(self, **kwargs):
+            super().__init__(name="net", **kwargs)
+            self.first = keras.layers.Dense(2, name="d")
+            self.second = keras.layers.Dense(2, name="d")
+
+        def call(self, x):
+            return self.first(x) + self.second(x)
+
+    x, y = np.ones((2, 2), "float32"), np.zeros((2, 2), "float32")
+    model = Net()
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    with pytest.raises(ValueError, match="share the paths 'net/d/bias', 'net/d/kernel'"):
+        model.fit(x, y, verbose=0)
+    assert int(model.optimizer.iterations) == 0  # nothing was trained
+    off = Net(keep_gradients=False)
+    off.compile(keras.optimizers.SGD(0.1), "mse")
+    off.fit(x, y, verbose=0)
+    assert int(off.optimizer.iterations) == 1
+
+
+def test_a_model_with_nothing_trainable_keeps_an_empty_structure():
+    inputs = keras.Input((2,))
+    dense = keras.layers.Dense(1, name="d")
+    dense.trainable = False
+    model = kg.KeepGradModel(inputs, dense(inputs))
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    with pytest.warns(UserWarning, match="does not have any trainable weights"):
+        model.fit(np.ones((2, 2)), np.ones((2, 1)), verbose=0)
+    assert model.get_state_tree()["trainable_variables"] == {}
+    assert model.gradients == {}
+    assert model.get_gradients_by_path() == {}
