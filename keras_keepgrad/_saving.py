@@ -27,7 +27,9 @@ file. A `KeepGradModel` exposes one more such saveable, under the attribute
   there for people reading the file. There must be one saved gradient per
   trainable variable, with its shape (and, where slots already exist, their
   dtype); otherwise loading raises a `ValueError` naming the variables, and
-  no gradient is restored. With `load_weights(..., skip_mismatch=True)`
+  no gradient is restored. `KeepGradModel.load_weights` checks this before
+  Keras loads anything (`check_gradients_in_file`), so the weights and the
+  optimizer state are left as they were too. With `load_weights(..., skip_mismatch=True)`
   Keras turns that error into a warning and loads the weights without the
   gradients.
 - After loading, and before any training, the restored gradients live in
@@ -41,10 +43,14 @@ TensorFlow's tracking (see `_keeper.py`), so `model.weights`,
 `save_gradients` says.
 """
 
+import contextlib
+import types
 import urllib.parse
 import warnings
 import weakref
+import zipfile
 
+import h5py
 import tensorflow as tf
 
 # Written against Keras 3.15. `saving_lib` saves every `KerasSaveable` it
@@ -56,9 +62,16 @@ from keras_keepgrad import _keeper
 
 __all__ = [
     "KeptGradientsState",
+    "check_gradients_in_file",
     "gradient_key",
     "kept_gradients_state",
 ]
+
+# Where Keras 3.15 puts the `_kept_gradients` saveable's arrays: in the
+# weights HDF5 file (inside a `.keras` zip, its `model.weights.h5`), the
+# group of the attribute's path under the model, then "vars".
+_GROUP = "_kept_gradients/vars"
+_ARCHIVE_WEIGHTS = "model.weights.h5"
 
 def gradient_key(index, path):
     """The dataset name of a variable's saved gradient.
@@ -167,6 +180,49 @@ class KeptGradientsState(KerasSaveable):
             keeper = model._keeper = _keeper.GradientKeeper(sparse=not model.jit_compile)
         arrays = {v.path: saved[i][1] for i, v in enumerate(variables)}
         keeper.restore(variables, arrays, model.distribute_strategy)
+
+
+@contextlib.contextmanager
+def _weights_file(filepath):
+    """The weights HDF5 file of a `.weights.h5` or `.keras` path, else None."""
+    path = str(filepath)
+    if path.endswith(".weights.h5"):
+        with h5py.File(path, "r") as f:
+            yield f
+    elif path.endswith(".keras"):
+        with zipfile.ZipFile(path) as archive, archive.open(_ARCHIVE_WEIGHTS) as raw:
+            with h5py.File(raw, "r") as f:
+                yield f
+    else:
+        yield None
+
+
+def check_gradients_in_file(model, filepath):
+    """Raises before `load_weights` assigns anything, as loading would.
+
+    Keras's loading catches a saveable's error, loads every other one, and
+    only then raises: a mismatch in the saved gradients would leave the
+    model with the file's weights and optimizer state after all. So
+    `KeepGradModel.load_weights` checks the saved gradients' names, shapes
+    and dtypes here first (`.weights.h5` and `.keras` files; other formats,
+    sharded weights for one, are checked only while loading).
+
+    Raises:
+        ValueError: As `KeptGradientsState.load_own_variables`.
+    """
+    saved = {}
+    try:
+        with _weights_file(filepath) as f:
+            group = None if f is None else f.get(_GROUP)
+            for key in group or ():
+                index, path = _parse_key(key)
+                dataset = group[key]
+                saved[index] = (path, types.SimpleNamespace(
+                    shape=dataset.shape, dtype=dataset.dtype))
+    except (OSError, KeyError, zipfile.BadZipFile):
+        return  # Keras's own loading reports an unreadable file.
+    if saved:
+        _check_saved_gradients(model, list(model.trainable_variables), saved)
 
 
 _STATES = weakref.WeakKeyDictionary()

@@ -396,6 +396,14 @@ class KeepGradModel(keras.Model):
         # `save_gradients=True`, and loading restores them (`_saving.py`).
         return _saving.kept_gradients_state(self)
 
+    def load_weights(self, filepath, skip_mismatch=False, **kwargs):
+        # Keras loads every other saveable before it raises a saveable's
+        # error: check the saved gradients first, so that a mismatch leaves
+        # the weights and the optimizer untouched.
+        if self._keep_gradients and self.built and not skip_mismatch:
+            _saving.check_gradients_in_file(self, filepath)
+        return super().load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+
     # Reading -----------------------------------------------------------
 
     def _checked_keeper(self):

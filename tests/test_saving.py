@@ -22,6 +22,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import W0
 from conftest import X
 from conftest import Y
 from conftest import dense_0
@@ -633,9 +634,12 @@ def test_mismatched_saved_gradients_raise_and_restore_nothing(tmp_path, value, m
     path = tmp_path / "m.weights.h5"
     save(trained(save_gradients=True), path)
     _rewrite_gradient(path, value)
-    model = trained(steps=2)  # kept 7.5
+    model = trained(steps=2)  # w = 3 - 1.5 - 0.75, kept 7.5
     with pytest.raises(ValueError, match=match):
         model.load_weights(path)
+    # Checked before Keras assigns anything: weights, optimizer, gradients.
+    assert model.get_weights()[0].tolist() == [[0.75]]
+    assert int(model.optimizer.iterations) == 2
     assert kernel_grad(model) == [[7.5]]
     # `skip_mismatch=True`: Keras's warning, the weights, not the gradients.
     with warns(UserWarning, match=match):
@@ -644,17 +648,25 @@ def test_mismatched_saved_gradients_raise_and_restore_nothing(tmp_path, value, m
     assert kernel_grad(model) == [[7.5]]
 
 
-def test_gradients_for_other_variables_raise(tmp_path):
-    path = tmp_path / "m.weights.h5"
-    save(trained(save_gradients=True), path)
+@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
+def test_gradients_for_other_variables_raise_and_load_nothing(tmp_path, suffix):
+    path = tmp_path / f"m{suffix}"
+    save(trained(save_gradients=True), path)  # w = 1.5
     model = one_weight()
-    model.layers[-1].trainable = False  # the weights still load
+    model.layers[-1].trainable = False
+    model.optimizer.build(model.trainable_variables)
     with pytest.raises(ValueError, match=(
             r"holds gradients for 1 variables \(\['dense_0/kernel'\]\), but "
             r"model 'net' has 0 trainable variables \(\[\]\)")):
         model.load_weights(path)
-    assert model.get_weights()[0].tolist() == [[1.5]]
+    # Keras would have loaded the weights and the optimizer before raising.
+    assert model.get_weights()[0].tolist() == [[W0]]
+    assert int(model.optimizer.iterations) == 0
     assert model._keeper is None
+    # Without the gradients, the weights load.
+    with warns(UserWarning, match="holds gradients for 1 variables"):
+        model.load_weights(path, skip_mismatch=True)
+    assert model.get_weights()[0].tolist() == [[1.5]]
 
 
 def test_gradients_of_an_edited_file_raise(tmp_path):
