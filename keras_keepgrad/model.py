@@ -1,6 +1,7 @@
 """`KeepGradModel` and `keep_gradients()`: what users call."""
 
 import contextlib
+import functools
 import types
 import warnings
 
@@ -387,6 +388,14 @@ class KeepGradModel(keras.Model):
         with _keeper.evaluation_step():
             return super().test_step(data)
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A subclass's own `test_step` is marked as evaluation too, or the
+        # gradient metrics it updates would raise in `evaluate`.
+        step = vars(cls).get("test_step")
+        if step is not None and not getattr(step, "_marks_evaluation", False):
+            cls.test_step = _marking_evaluation(step)
+
     # Saving ------------------------------------------------------------
 
     @property
@@ -455,6 +464,16 @@ class KeepGradModel(keras.Model):
     def get_gradients_by_path(self):
         """The last training batch's gradients as `{variable path: tensor}`."""
         return self._checked_keeper().read()
+
+
+def _marking_evaluation(test_step):
+    @functools.wraps(test_step)
+    def marked(self, data):
+        with _keeper.evaluation_step():
+            return test_step(self, data)
+
+    marked._marks_evaluation = True
+    return marked
 
 
 @keras.saving.register_keras_serializable(

@@ -1068,3 +1068,28 @@ def test_a_model_with_nothing_trainable_keeps_an_empty_structure():
     assert model.get_state_tree()["trainable_variables"] == {}
     assert model.gradients == {}
     assert model.get_gradients_by_path() == {}
+
+
+def test_a_subclass_test_step_of_its_own_skips_the_gradient_metrics():
+    # Keras's guide pattern for a custom `test_step`; the gradient metric
+    # must skip it, as it skips `KeepGradModel.test_step`, not raise.
+    class Net(kg.KeepGradModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = dense_0()
+
+        def call(self, x):
+            return self.dense(x)
+
+        def test_step(self, data):
+            x, y = data
+            y_pred = self(x, training=False)
+            self._loss_tracker.update_state(self.compute_loss(x=x, y=y, y_pred=y_pred))
+            return self.compute_metrics(x, y, y_pred)
+
+    model = Net()
+    model.compile(keras.optimizers.SGD(0.0), "mse", metrics=[kg.metrics.GradientNorm()])
+    history = model.fit(X, Y, batch_size=2, validation_data=(X, Y), verbose=0)
+    # mean((w*x)^2) at w = 3, x = [1, 2]: d/dw = 5w = 15; val loss 9 * 2.5.
+    assert history.history == {"grad_norm": [15.0], "loss": [22.5], "val_loss": [22.5]}
+    assert model.evaluate(X, Y, verbose=0, return_dict=True) == {"loss": 22.5}
