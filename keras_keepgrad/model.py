@@ -538,6 +538,9 @@ class WrappedKeepGradModel(KeepGradModel):
         if isinstance(model, dict):
             model = keras.saving.deserialize_keras_object(model)
         self._wrapped = model
+        # Built with the wrapped model: it has no variables of its own, and
+        # Keras's `save_weights`/`load_weights` refuse an unbuilt model.
+        self.built = model.built
 
     def call(self, inputs, training=None):
         if self._wrapped._call_has_training_arg:

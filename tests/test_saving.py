@@ -386,6 +386,30 @@ def test_weights_files_move_between_plain_and_wrapped_subclassed_models(
     assert only_grad(kept) == [[15.0]]  # 5 * scale^2 * w = 5 * 4 * 0.75
 
 
+def test_a_wrapper_of_a_built_model_loads_and_saves_weights_before_training(tmp_path):
+    plain = scaled_net()
+    plain.fit(X, Y, batch_size=2, verbose=0)  # w = 1.5
+    plain.save_weights(tmp_path / "plain.weights.h5")
+    net = ScaledNet(name="net")
+    net(X)  # built by a call, as after training or loading
+    kept = kg.keep_gradients(net)
+    assert kept.built
+    kept.load_weights(tmp_path / "plain.weights.h5")  # no optimizer yet
+    assert [w.tolist() for w in net.get_weights()] == [1.0, [[1.5]]]
+    net.scale.assign(2.0)
+    kept.save_weights(tmp_path / "kept.weights.h5")
+    assert_same_arrays(h5_arrays(tmp_path / "kept.weights.h5"),
+                       {"blocks/dense/vars/0": [[1.5]], "vars/0": 2.0})
+    kept.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    kept.fit(X, Y, batch_size=2, verbose=0)
+    assert only_grad(kept) == [[30.0]]  # 5 * scale^2 * w = 5 * 4 * 1.5
+    kept.save(tmp_path / "kept.keras")
+    loaded = keras.models.load_model(tmp_path / "kept.keras",
+                                     custom_objects={"ScaledNet": ScaledNet})
+    assert [w.tolist() for w in loaded.get_weights()] == [2.0, [[-1.5]]]  # 1.5 - 0.1 * 30
+    assert loaded.built
+
+
 class WithBackbone(keras.Model):
     """A subclassed model holding a sub-model under the attribute `model`."""
 
