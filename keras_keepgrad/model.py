@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import numbers
 import types
 import warnings
 
@@ -21,12 +22,12 @@ _OPTIONS = ("keep_gradients", "save_gradients", "keep_every")
 
 
 def _check_keep_every(value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(
             "`keep_every` must be a positive int (1 keeps every step). "
             f"Received: keep_every={value!r}"
         )
-    return value
+    return int(value)
 
 
 @keras.saving.register_keras_serializable(package="keras_keepgrad")
@@ -86,7 +87,7 @@ class KeepGradModel(keras.Model):
         _compat.check_backend(type(self).__name__)
         _checks.check_bool("keep_gradients", keep_gradients)
         _checks.check_bool("save_gradients", save_gradients)
-        _check_keep_every(keep_every)
+        keep_every = _check_keep_every(keep_every)
         if _compat.functional_init_arguments(args, kwargs):
             if not isinstance(self, _compat.Functional):
                 _inject_functional(type(self))

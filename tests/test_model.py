@@ -1009,7 +1009,15 @@ def test_keep_every_writes_steps_1_3_5_and_holds_between(mode):
     assert model.get_config()["keep_every"] == 2
 
 
-@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_keep_every_takes_a_numpy_int_and_stores_an_int():
+    model = one_weight(keep_every=np.int64(2))
+    assert model.keep_every == 2 and type(model.keep_every) is int
+    model.keep_every = np.int32(3)
+    assert model.get_config()["keep_every"] == 3
+    assert type(model.get_config()["keep_every"]) is int
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2", np.int64(0)])
 def test_bad_keep_every_is_rejected(value):
     with pytest.raises(ValueError, match=r"`keep_every` must be a positive int.*Received: keep_every="):
         one_weight(keep_every=value)
