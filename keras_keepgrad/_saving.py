@@ -29,9 +29,9 @@ file. A `KeepGradModel` exposes one more such saveable, under the attribute
   dtype); otherwise loading raises a `ValueError` naming the variables, and
   no gradient is restored. `KeepGradModel.load_weights` checks this before
   Keras loads anything (`check_gradients_in_file`), so the weights and the
-  optimizer state are left as they were too. With `load_weights(..., skip_mismatch=True)`
-  Keras turns that error into a warning and loads the weights without the
-  gradients.
+  optimizer state are left as they were too. With `load_weights(...,
+  skip_mismatch=True)` Keras turns that error into a warning and loads the
+  weights without the gradients.
 - After loading, and before any training, the restored gradients live in
   dense slots made from the saved arrays, so `model.gradients` reads them.
   The next `fit` (anything that builds the training function) replaces them
@@ -72,6 +72,7 @@ __all__ = [
 # group of the attribute's path under the model, then "vars".
 _GROUP = "_kept_gradients/vars"
 _ARCHIVE_WEIGHTS = "model.weights.h5"
+
 
 def gradient_key(index, path):
     """The dataset name of a variable's saved gradient.
