@@ -349,6 +349,28 @@ def test_mixed_precision_skipped_step_panels_and_snapshot(tmp_path, mixed_float1
     assert float(loaded[2]["dense_0/kernel"][0, 0]) == 7.5
 
 
+def test_keep_every_optimizer_scalars_sit_at_the_current_step(tmp_path):
+    # keep_every=3 writes the slots on steps 1, 4, 7, 10; update_freq=5
+    # records after steps 5 and 10, reading steps 4 and 10 (lr 0: 5w = 15).
+    # Batch 2 holds a NaN: the LossScaleOptimizer skips step 2 (scale 8 ->
+    # 4). After step 5 it applied 4 steps: 1 skipped; written at step 5,
+    # not at the kept step 4 (where 4 - 4 applied would say 0, and step 4's
+    # labels once read -1 without a skipped step).
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), initial_scale=8.0
+    )
+    model = hand_model(optimizer=optimizer, keep_every=3)
+    x, y = hand_data(10)
+    x[3, 0] = np.nan
+    board = callbacks.GradientTensorBoard(tmp_path / "logs", update_freq=5)
+    model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[board])
+    acc = read_run(str(tmp_path / "logs" / "train"))
+    assert scalars(acc, "gradients/global_norm") == [(4, 15.0), (10, 15.0)]
+    assert scalars(acc, "gradients/nonfinite") == [(4, 0.0), (10, 0.0)]
+    assert scalars(acc, "gradients/skipped_steps") == [(5, 1.0), (10, 1.0)]
+    assert scalars(acc, "gradients/loss_scale") == [(5, 4.0), (10, 4.0)]
+
+
 # GradientMonitor -----------------------------------------------------------
 
 
