@@ -157,7 +157,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     def on_epoch_begin(self, epoch, logs=None):
         super().on_epoch_begin(epoch, logs)
-        self._steps.begin_epoch()
+        self._steps.begin_epoch(epoch)
         self._epoch_first_step = self._steps.step
 
     def on_train_batch_end(self, batch, logs=None):

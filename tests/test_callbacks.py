@@ -538,6 +538,37 @@ def test_keep_every_callbacks_read_each_kept_step_once_at_its_step(tmp_path):
     assert history.history["grad_norm"] == [5.8125]
 
 
+def test_keep_every_labels_a_read_step_with_the_epoch_it_ran_in(tmp_path):
+    # 5 batches per epoch, epochs 2 and 3 (initial_epoch=2), lr 0: 5w = 15,
+    # but batch 5 of each epoch is doubled: 15 * 2^2 = 60. keep_every=2
+    # writes steps 1, 3, 5, 7, 9; checks every 3 batches, after steps 3, 6
+    # and 9, read steps 3, 5 and 9. Step 5 is epoch 2's last batch, read
+    # while epoch 3 runs: it is labelled epoch 2 (file "e3", 1-based).
+    model = hand_model(lr=0.0, keep_every=2)
+    x, y = hand_data(5)
+    x[8:] *= 2.0
+    snapshot = callbacks.GradientSnapshot(
+        tmp_path / "e{epoch}_s{step}.npz", every=3
+    )
+    monitor = callbacks.GradientMonitor(exploding_threshold=40.0, check_freq=3)
+    with pytest.warns(UserWarning, match=r"Step 5: exploding gradients: global norm 60 "):
+        model.fit(x, y, batch_size=2, epochs=4, initial_epoch=2, shuffle=False,
+                  verbose=0, callbacks=[snapshot, monitor])
+    found = []
+    for filename in snapshot.files:
+        with np.load(filename) as data:
+            found.append((os.path.basename(filename), int(data["step"]),
+                          int(data["epoch"]), float(data["dense_0/kernel"][0, 0])))
+    assert found == [
+        ("e3_s3.npz", 3, 3, 15.0),
+        ("e3_s5.npz", 5, 3, 60.0),
+        ("e4_s9.npz", 9, 4, 15.0),
+    ]
+    assert [(e["kind"], e["step"], e["epoch"]) for e in monitor.events] == [
+        ("exploding", 5, 2)
+    ]
+
+
 def test_keep_every_labels_across_executions_and_fits(tmp_path):
     # keep_every=3 and steps_per_execution=2: callbacks run after steps 2, 4
     # of each fit. The count of steps goes on across fits: writes on global
