@@ -38,7 +38,9 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
       epochs, at the epoch step, beside Keras's weight histograms.
     - `gradients/heatmap`: at each epoch end, an image of log10 layer norms,
       layers (rows, forward order) by recorded steps (columns), for the
-      whole run so far.
+      whole run so far: at most 1024 columns, each the geometric mean of
+      the same number of recorded steps (doubled as the run grows; the last
+      column may hold fewer).
     - A custom-scalars layout, "Gradient panels": per-layer norms in one
       multiline chart, the global norm, non-finite and skipped steps (and
       the loss scale under a `LossScaleOptimizer`).
