@@ -16,6 +16,9 @@ of the total loss, not of one output). The dict is empty while there is
 nothing to report (no training step since the last reset).
 """
 
+import math
+import numbers
+
 import keras
 import tensorflow as tf
 
@@ -465,13 +468,18 @@ class VanishingGradients(GradientMetric):
         **kwargs: Passed on to `GradientMetric`.
 
     Raises:
-        ValueError: `threshold` is negative or not a number.
+        ValueError: `threshold` is negative, not finite, or not a number.
     """
 
     def __init__(self, threshold=1e-7, name="grad_vanishing", reduction="mean", **kwargs):
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold < 0:
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, numbers.Real)
+            or not math.isfinite(threshold)
+            or threshold < 0
+        ):
             raise ValueError(
-                "`threshold` must be a non-negative number. Received: "
+                "`threshold` must be a finite, non-negative number. Received: "
                 f"threshold={threshold!r}"
             )
         self.threshold = float(threshold)
