@@ -443,3 +443,18 @@ def test_vanishing_threshold_accepts_any_real_number():
         assert metric.threshold == expected
         assert type(metric.get_config()["threshold"]) is float
 
+
+@pytest.mark.parametrize(
+    "cls, expected",
+    [
+        (kgm.GradientNorm, "grad_norm"),
+        (kgm.GradientMaxAbs, "grad_max_abs"),
+        (kgm.NonFiniteGradients, "grad_nonfinite"),
+        (kgm.VanishingGradients, "grad_vanishing"),
+        (kgm.UpdateRatio, "update_ratio"),
+    ],
+)
+def test_name_none_means_the_default_name(cls, expected):
+    # As for Keras metrics (`keras.metrics.Mean(name=None).name == "mean"`).
+    assert cls(name=None).name == expected
+    assert cls.from_config({**cls().get_config(), "name": None}).name == expected
