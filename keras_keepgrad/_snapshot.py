@@ -72,7 +72,8 @@ class GradientSnapshot(keras.callbacks.Callback):
             )
         try:
             self.path.format(step=0, epoch=1)
-        except (KeyError, IndexError, ValueError) as error:
+        except (KeyError, IndexError, ValueError, TypeError, AttributeError) as error:
+            # TypeError, AttributeError: `{step[0]}`, `{step.x}` index an int.
             raise ValueError(
                 "`path` may only hold the fields {step} and {epoch} (with "
                 f"format specs like {{step:06d}}). Received: path={self.path!r} "

@@ -711,6 +711,16 @@ def test_snapshot_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
             "`path` may only hold the fields {step} and {epoch}",
         ),
         (
+            lambda: callbacks.GradientSnapshot("grads-{step[0]}.npz"),
+            "`path` may only hold the fields {step} and {epoch} (with format "
+            "specs like {step:06d}). Received: path='grads-{step[0]}.npz' "
+            "(TypeError: 'int' object is not subscriptable)",
+        ),
+        (
+            lambda: callbacks.GradientSnapshot("grads-{epoch.x}.npz"),
+            "Received: path='grads-{epoch.x}.npz' (AttributeError: ",
+        ),
+        (
             lambda: callbacks.GradientSnapshot("g.npz", every=-2),
             "`every` must be 'epoch' or a positive int. Received: every=-2",
         ),
