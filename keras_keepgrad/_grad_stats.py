@@ -5,6 +5,7 @@ Callbacks read the kept gradients between steps through
 `{variable path: dense tensor}` view and returns NumPy values.
 """
 
+import bisect
 import numbers
 import os
 import tempfile
@@ -140,18 +141,42 @@ class StepCounter:
     index of its last batch in the epoch; with `steps_per_execution=N` the
     count thus advances by N. The last, possibly partial, execution of an
     epoch is clamped to the epoch's number of batches when Keras knows it.
+
+    It also remembers where each epoch of this `fit` began, so that a step
+    read later (under `keep_every`, the kept gradients can come from an
+    earlier epoch) is labelled with the epoch it ran in: `epoch_of`.
     """
 
     def __init__(self):
         self.step = 0
         self._epoch_start = 0
+        # Steps run before each epoch began, and its (0-based) epoch number
+        # as Keras passes it (so `initial_epoch` counts).
+        self._starts = []
+        self._epochs = []
 
     def begin_train(self):
         self.step = 0
         self._epoch_start = 0
+        self._starts = []
+        self._epochs = []
 
-    def begin_epoch(self):
+    def begin_epoch(self, epoch):
+        """At `on_epoch_begin(epoch)`: the epoch's steps start after now."""
         self._epoch_start = self.step
+        self._starts.append(self.step)
+        self._epochs.append(epoch)
+
+    def epoch_of(self, step):
+        """The 0-based epoch in which training step `step` (1-based) ran.
+
+        Steps before the first epoch began (none in `fit`) count as the
+        first epoch.
+        """
+        if not self._epochs:
+            return 0
+        index = bisect.bisect_left(self._starts, step) - 1
+        return self._epochs[max(index, 0)]
 
     def end_batch(self, batch, params):
         """Advances to `batch` (0-based, in the epoch); returns the old step."""

@@ -71,7 +71,8 @@ class GradientMonitor(keras.callbacks.Callback):
     Attributes:
         events: List of dicts, one per report of the last `fit`: `kind`
             (`"nonfinite"`, `"vanishing"` or `"exploding"`), `step`, `epoch`
-            (0-based), `layers` (names) and `message`.
+            (0-based, the epoch in which `step` ran), `layers` (names) and
+            `message`.
 
     Raises:
         ValueError: On an invalid argument; when the model was built with
@@ -128,7 +129,6 @@ class GradientMonitor(keras.callbacks.Callback):
         self._steps = _grad_stats.StepCounter()
         self._new = _grad_stats.NewGradients()
         self._step = 0
-        self._epoch = 0
 
     def on_train_begin(self, logs=None):
         _grad_stats.require_kept_gradients(self.model, "GradientMonitor")
@@ -144,8 +144,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self.events = []
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-        self._steps.begin_epoch()
+        self._steps.begin_epoch(epoch)
 
     def on_train_batch_end(self, batch, logs=None):
         previous = self._steps.end_batch(batch, self.params)
@@ -257,7 +256,7 @@ class GradientMonitor(keras.callbacks.Callback):
             {
                 "kind": kind,
                 "step": step,
-                "epoch": self._epoch,
+                "epoch": self._steps.epoch_of(step),
                 "layers": [self._norms.layers[i] for i in indices],
                 "message": message,
             }

@@ -24,10 +24,11 @@ class GradientSnapshot(keras.callbacks.Callback):
     Each file holds one array per trainable variable, keyed by its path
     (`"dense_0/kernel"`), as `model.get_gradients_by_path()` returns it
     (bfloat16 is stored as float32, which NumPy can read), and three
-    scalars: `step` (training batches run in this `fit`), `epoch` (1-based,
-    as in the file name) and `loss_scale` (a `LossScaleOptimizer`'s dynamic
-    scale read after the step, else the optimizer's `loss_scale_factor`,
-    else 1.0; the gradients are already unscaled).
+    scalars: `step` (training batches run in this `fit`), `epoch` (the
+    1-based epoch in which `step` ran, as in the file name) and
+    `loss_scale` (a `LossScaleOptimizer`'s dynamic scale read after the
+    step, else the optimizer's `loss_scale_factor`, else 1.0; the gradients
+    are already unscaled).
 
     A file is never half-written: it is written to a temporary file in the
     same directory, then renamed over the target. Without `{step}` or
@@ -71,7 +72,8 @@ class GradientSnapshot(keras.callbacks.Callback):
             )
         try:
             self.path.format(step=0, epoch=1)
-        except (KeyError, IndexError, ValueError) as error:
+        except (KeyError, IndexError, ValueError, TypeError, AttributeError) as error:
+            # TypeError, AttributeError: `{step[0]}`, `{step.x}` index an int.
             raise ValueError(
                 "`path` may only hold the fields {step} and {epoch} (with "
                 f"format specs like {{step:06d}}). Received: path={self.path!r} "
@@ -80,7 +82,6 @@ class GradientSnapshot(keras.callbacks.Callback):
         self.files = []
         self._steps = _grad_stats.StepCounter()
         self._new = _grad_stats.NewGradients()
-        self._epoch = 0
 
     def on_train_begin(self, logs=None):
         _grad_stats.require_kept_gradients(self.model, "GradientSnapshot")
@@ -98,8 +99,7 @@ class GradientSnapshot(keras.callbacks.Callback):
         self._new.begin(self.model)
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-        self._steps.begin_epoch()
+        self._steps.begin_epoch(epoch)
         self._epoch_first_step = self._steps.step
 
     def on_train_batch_end(self, batch, logs=None):
@@ -119,14 +119,15 @@ class GradientSnapshot(keras.callbacks.Callback):
         step = self._new.step_of(self.model, self._steps.step)
         if step is None:
             return  # `keep_every`: nothing kept since the last file
-        filename = self.path.format(step=step, epoch=self._epoch + 1)
+        epoch = self._steps.epoch_of(step) + 1
+        filename = self.path.format(step=step, epoch=epoch)
         arrays = {}
         for path, grad in self.model.get_gradients_by_path().items():
             if grad.dtype == tf.bfloat16:
                 grad = tf.cast(grad, tf.float32)
             arrays[path] = grad.numpy()
         arrays["step"] = np.int64(step)
-        arrays["epoch"] = np.int64(self._epoch + 1)
+        arrays["epoch"] = np.int64(epoch)
         arrays["loss_scale"] = np.float64(
             _grad_stats.loss_scale_of(self.model.optimizer)
         )

@@ -21,8 +21,10 @@ LAYOUT_TITLE = "Gradient panels"
 
 HEATMAP_DESCRIPTION = (
     "log10 of the L2 gradient norm per layer (rows, forward order from the "
-    "top) and recorded training step (columns, left to right; merged in "
-    "pairs past 1024 columns). Viridis colors from dark purple (smallest "
+    "top) and recorded training step (columns, left to right). Past 1024 "
+    "recorded steps a column covers several, all the same number (doubling "
+    "as the run grows; the last column may cover fewer), and shows their "
+    "geometric mean. Viridis colors from dark purple (smallest "
     "norm in the image) to yellow (largest); black: zero; red: NaN or inf."
 )
 
@@ -180,32 +182,89 @@ def colorize(norms):
 class Heatmap:
     """The per-layer norms of the recorded steps, as one growing image.
 
-    Past `max_columns` recorded steps, neighbouring columns are merged in
-    pairs (geometric mean of the norms; a non-finite norm stays
-    non-finite), so the image always covers the whole run.
+    Every full column covers the same number of recorded steps, its `span`:
+    1 at first, doubled whenever the image would grow past `max_columns`
+    columns, by merging neighbouring full columns in pairs. Steps recorded
+    since the last full column gather in a pending column, shown last (so
+    it may cover fewer steps than the others) until it holds `span` steps.
+    The time axis is thus uniform and the image always covers the whole
+    run in at most `max_columns` columns.
+
+    A column holds the geometric mean of its steps' norms (the mean of
+    their logs, every step weighing the same): a column with a non-finite
+    norm is non-finite, else one with a zero norm is zero.
 
     Args:
-        max_columns: Int. The most columns kept.
+        max_columns: Int. The most columns in the image. Defaults to `1024`.
+
+    Attributes:
+        span: Int. Recorded steps per full column.
+        columns: List of `[layers]` float64 arrays: the full columns, then
+            the pending one if it holds any step.
+        steps: List of ints: the last step of each of `columns`.
     """
 
     def __init__(self, max_columns=1024):
         self.max_columns = max_columns
-        self.columns = []
-        self.steps = []
+        self.span = 1
+        self._logs = []  # mean log10 norm of each full column
+        self._ends = []
+        self._pending_sum = None  # sum of log10 norms of the pending steps
+        self._pending_count = 0
+        self._pending_end = None
+
+    @staticmethod
+    def _log10(norms):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.log10(np.asarray(norms, dtype=np.float64))
 
     def add(self, step, layer_norms):
-        self.columns.append(np.asarray(layer_norms, dtype=np.float64))
-        self.steps.append(step)
-        if len(self.columns) > self.max_columns:
-            merged, steps = [], []
-            for i in range(0, len(self.columns) - 1, 2):
-                with np.errstate(invalid="ignore", over="ignore"):
-                    merged.append(np.sqrt(self.columns[i] * self.columns[i + 1]))
-                steps.append(self.steps[i + 1])
-            if len(self.columns) % 2:
-                merged.append(self.columns[-1])
-                steps.append(self.steps[-1])
-            self.columns, self.steps = merged, steps
+        """Records one step's per-layer norms."""
+        logs = self._log10(layer_norms)
+        with np.errstate(invalid="ignore"):  # -inf + inf: NaN, non-finite
+            if self._pending_count:
+                self._pending_sum = self._pending_sum + logs
+            else:
+                self._pending_sum = logs
+        self._pending_count += 1
+        self._pending_end = step
+        if self._pending_count == self.span:
+            self._logs.append(self._pending_sum / self.span)
+            self._ends.append(step)
+            self._pending_sum, self._pending_count, self._pending_end = None, 0, None
+        if len(self._logs) + bool(self._pending_count) > self.max_columns:
+            self._merge()
+
+    def _merge(self):
+        # Pairs of full columns become full columns of twice the span; an
+        # odd last one joins the pending steps (fewer than twice the span).
+        logs, ends = [], []
+        with np.errstate(invalid="ignore"):
+            for i in range(0, len(self._logs) - 1, 2):
+                logs.append((self._logs[i] + self._logs[i + 1]) / 2.0)
+                ends.append(self._ends[i + 1])
+            if len(self._logs) % 2:
+                leftover = self._logs[-1] * self.span
+                if self._pending_count:
+                    self._pending_sum = leftover + self._pending_sum
+                else:
+                    self._pending_sum = leftover
+                    self._pending_end = self._ends[-1]
+                self._pending_count += self.span
+        self._logs, self._ends = logs, ends
+        self.span *= 2
+
+    @property
+    def columns(self):
+        logs = list(self._logs)
+        if self._pending_count:
+            logs.append(self._pending_sum / self._pending_count)
+        with np.errstate(over="ignore"):
+            return [np.power(10.0, column) for column in logs]
+
+    @property
+    def steps(self):
+        return self._ends + ([self._pending_end] if self._pending_count else [])
 
     def image(self):
         """The heatmap as a `[1, height, width, 3]` uint8 array."""

@@ -29,13 +29,18 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
     - `gradients/nonfinite`: 1.0 where that step's gradients hold a NaN or
       an infinity, else 0.0. Under a `keras.optimizers.LossScaleOptimizer`
       also `gradients/skipped_steps` (the steps it skipped since `fit`
-      began) and `gradients/loss_scale`.
+      began) and `gradients/loss_scale`, written with the norms but
+      describing the optimizer when they are written: at the current
+      training-batch step, which under `keep_every` can be later than the
+      kept step the norms are labelled with.
     - `gradients/histogram/<variable path>`: histograms of the gradients of
       the epoch's last batch (its finite values), every `histogram_freq`
       epochs, at the epoch step, beside Keras's weight histograms.
     - `gradients/heatmap`: at each epoch end, an image of log10 layer norms,
       layers (rows, forward order) by recorded steps (columns), for the
-      whole run so far.
+      whole run so far: at most 1024 columns, each the geometric mean of
+      the same number of recorded steps (doubled as the run grows; the last
+      column may hold fewer).
     - A custom-scalars layout, "Gradient panels": per-layer norms in one
       multiline chart, the global norm, non-finite and skipped steps (and
       the loss scale under a `LossScaleOptimizer`).
@@ -132,14 +137,21 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             if self._count_skipped
             else 0
         )
+        traced = self.update_freq != "epoch"
         tags = [_tb_panels.layer_norm_tag(layer) for layer in self._norms.layers]
         tags += [_tb_panels.GLOBAL_NORM_TAG, _tb_panels.NONFINITE_TAG]
+        self._scalars = _tb_panels.ScalarWriter(self._train_writer, tags, traced=traced)
+        # The optimizer's scalars describe it now, not the kept step (which
+        # under `keep_every` may be older): a writer of their own.
+        optimizer_tags = []
         if self._loss_scaled:
-            tags.append(_tb_panels.LOSS_SCALE_TAG)
+            optimizer_tags.append(_tb_panels.LOSS_SCALE_TAG)
         if self._count_skipped:
-            tags.append(_tb_panels.SKIPPED_STEPS_TAG)
-        self._scalars = _tb_panels.ScalarWriter(
-            self._train_writer, tags, traced=self.update_freq != "epoch"
+            optimizer_tags.append(_tb_panels.SKIPPED_STEPS_TAG)
+        self._optimizer_scalars = (
+            _tb_panels.ScalarWriter(self._train_writer, optimizer_tags, traced=traced)
+            if optimizer_tags
+            else None
         )
         if not self._layout_written:
             self._guarded(self._write_layout)
@@ -147,7 +159,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     def on_epoch_begin(self, epoch, logs=None):
         super().on_epoch_begin(epoch, logs)
-        self._steps.begin_epoch()
+        self._steps.begin_epoch(epoch)
         self._epoch_first_step = self._steps.step
 
     def on_train_batch_end(self, batch, logs=None):
@@ -206,14 +218,18 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             return  # `keep_every`: nothing kept since the last record
         norms = self._norms(self.model.get_gradients_by_path())
         values = list(norms.layer_norms) + [norms.global_norm, float(norms.nonfinite)]
-        optimizer = self.model.optimizer
-        if self._loss_scaled:
-            values.append(_grad_stats.loss_scale_of(optimizer))
-        if self._count_skipped:
-            applied = int(optimizer.iterations.numpy()) - self._iterations_at_begin
-            values.append(step - applied)
         self._scalars.write(step, values)
         self._heatmap.add(step, norms.layer_norms)
+        if self._optimizer_scalars is not None:
+            now = self._steps.step
+            optimizer = self.model.optimizer
+            values = []
+            if self._loss_scaled:
+                values.append(_grad_stats.loss_scale_of(optimizer))
+            if self._count_skipped:
+                applied = int(optimizer.iterations.numpy()) - self._iterations_at_begin
+                values.append(now - applied)
+            self._optimizer_scalars.write(now, values)
 
     def _write_histograms(self, epoch):
         grads = self.model.get_gradients_by_path()

@@ -14,8 +14,11 @@ of k. Validation batches never change the kept gradients.
 `keep_every=N`. The slots are then written on training steps 1, 1 + N, ...
 only, and hold the last written step's gradients in between. Each callback
 reads a written step once, at its first check after it, and labels it with
-that step: `GradientTensorBoard` writes the scalars (and heatmap column) at
-it, `GradientSnapshot` names the file after it, `GradientMonitor` reports it.
+that step and with the epoch that step ran in (which may be an earlier one
+than the epoch of the check): `GradientTensorBoard` writes the gradient
+scalars (and heatmap column) at it (the optimizer's `loss_scale` and
+`skipped_steps`, read at the check, at the current step),
+`GradientSnapshot` names the file after it, `GradientMonitor` reports it.
 A check that finds nothing new since the last one does nothing: with
 `update_freq=1` and `keep_every=10`, scalars appear at steps 1, 11, 21, ...;
 `vanishing_steps` counts the checks that read new gradients. Epoch

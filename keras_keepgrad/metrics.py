@@ -16,6 +16,9 @@ of the total loss, not of one output). The dict is empty while there is
 nothing to report (no training step since the last reset).
 """
 
+import math
+import numbers
+
 import keras
 import tensorflow as tf
 
@@ -96,7 +99,7 @@ class GradientMetric(keras.metrics.Metric):
         fn: Callable. Takes the nested dict of float32 gradient tensors and
             returns a scalar (a 0-d tensor or a Python number).
         name: String. The log key. Defaults to `fn.__name__`
-            (`"gradient_metric"` for a lambda).
+            (`"gradient_metric"` for a lambda); None means that default.
         reduction: String. How the epoch's step values combine: `"mean"`
             (averaged over the steps, as Keras averages its metrics),
             `"last"` (the latest step: what spikes show in), `"sum"`, or
@@ -123,6 +126,9 @@ class GradientMetric(keras.metrics.Metric):
     history.history["max_kernel_grad"]  # one value per epoch
     ```
     """
+
+    # The log key that `name=None` stands for; None: from `fn`.
+    _default_name = None
 
     def __init__(self, fn, name=None, reduction="mean", **kwargs):
         dtype = kwargs.pop("dtype", None)
@@ -153,8 +159,11 @@ class GradientMetric(keras.metrics.Metric):
                 f"reduction={reduction!r}"
             )
         if name is None:
+            # As for Keras metrics, `name=None` means the default name.
             fn_name = getattr(fn, "__name__", None)
-            name = fn_name if fn_name and fn_name != "<lambda>" else "gradient_metric"
+            name = self._default_name or (
+                fn_name if fn_name and fn_name != "<lambda>" else "gradient_metric"
+            )
         super().__init__(name=name, dtype="float32", **kwargs)
         self.fn = fn
         self.reduction = reduction
@@ -381,6 +390,8 @@ class GradientNorm(_PerLayerMixin, GradientMetric):
     [15.0, 7.5, 3.75]
     """
 
+    _default_name = "grad_norm"
+
     def __init__(self, per_layer=False, name="grad_norm", reduction="mean", **kwargs):
         self.per_layer = _checks.check_bool("per_layer", per_layer)
         super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
@@ -411,6 +422,8 @@ class GradientMaxAbs(GradientMetric):
         **kwargs: Passed on to `GradientMetric`.
     """
 
+    _default_name = "grad_max_abs"
+
     def __init__(self, name="grad_max_abs", reduction="max", **kwargs):
         super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
 
@@ -437,6 +450,8 @@ class NonFiniteGradients(GradientMetric):
             `GradientMetric`. Defaults to `"sum"`.
         **kwargs: Passed on to `GradientMetric`.
     """
+
+    _default_name = "grad_nonfinite"
 
     def __init__(self, name="grad_nonfinite", reduction="sum", **kwargs):
         super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
@@ -465,13 +480,20 @@ class VanishingGradients(GradientMetric):
         **kwargs: Passed on to `GradientMetric`.
 
     Raises:
-        ValueError: `threshold` is negative or not a number.
+        ValueError: `threshold` is negative, not finite, or not a number.
     """
 
+    _default_name = "grad_vanishing"
+
     def __init__(self, threshold=1e-7, name="grad_vanishing", reduction="mean", **kwargs):
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold < 0:
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, numbers.Real)
+            or not math.isfinite(threshold)
+            or threshold < 0
+        ):
             raise ValueError(
-                "`threshold` must be a non-negative number. Received: "
+                "`threshold` must be a finite, non-negative number. Received: "
                 f"threshold={threshold!r}"
             )
         self.threshold = float(threshold)
@@ -529,6 +551,8 @@ class UpdateRatio(_PerLayerMixin, GradientMetric):
     model.fit(x, y, batch_size=2).history["update_ratio"]  # [0.5]
     ```
     """
+
+    _default_name = "update_ratio"
 
     def __init__(self, per_layer=False, name="update_ratio", reduction="mean", **kwargs):
         self.per_layer = _checks.check_bool("per_layer", per_layer)

@@ -180,7 +180,7 @@ def test_tensorboard_heatmap_colors_log_norms(hand_run):
     assert image[8, 40].tolist() == [68, 1, 84]
 
 
-def test_heatmap_marks_zero_and_nonfinite_and_merges_columns():
+def test_heatmap_marks_zero_and_nonfinite_and_merges_columns_evenly():
     rgb = _tb_panels.colorize(np.array([[1.0, 100.0, 0.0, np.nan, np.inf]]))
     assert rgb[0].tolist() == [
         [68, 1, 84],
@@ -189,14 +189,49 @@ def test_heatmap_marks_zero_and_nonfinite_and_merges_columns():
         [255, 0, 0],
         [255, 0, 0],
     ]
+    # Two layers, 14 steps, at most 4 columns. Step 5 makes 5 columns: the
+    # span doubles to 2 (columns 1-2, 3-4; step 5 pending). Step 9 makes 5
+    # again: span 4 (columns 1-4, 5-8; step 9 pending). Steps 9-12 fill a
+    # third column and 13-14 are pending, shown last. Each column is the
+    # geometric mean of its steps: 10^mean(log10).
+    layer_a = [1, 100, 10, 10, 1000, 1000, 1, 100, 10, 10, 10, 10, 10, 1000]
+    layer_b = [0, 1, 1, 1, np.nan, 1, 1, 1, 0, np.inf, 1, 1, 1, 1]
     heatmap = _tb_panels.Heatmap(max_columns=4)
-    for step, norm in enumerate([1.0, 100.0, 4.0, 9.0, np.nan], start=1):
-        heatmap.add(step, [norm])
-    # Past 4 columns, pairs merge by geometric mean; NaN stays NaN.
-    assert heatmap.steps == [2, 4, 5]
-    merged = np.array(heatmap.columns)[:, 0]
-    np.testing.assert_array_equal(merged[:2], [10.0, 6.0])
-    assert np.isnan(merged[2])
+    for step, norms in enumerate(zip(layer_a, layer_b), start=1):
+        heatmap.add(step, norms)
+        if step == 5:
+            assert heatmap.steps == [2, 4, 5] and heatmap.span == 2
+    assert heatmap.steps == [4, 8, 12, 14] and heatmap.span == 4
+    columns = np.array(heatmap.columns)
+    # Layer a: logs (0+2+1+1)/4 = 1, (3+3+0+2)/4 = 2, 1, pending (1+3)/2 = 2.
+    np.testing.assert_array_equal(columns[:, 0], [10.0, 100.0, 10.0, 100.0])
+    # Layer b: a zero makes 0; a NaN, or an inf beside a zero, non-finite.
+    assert columns[0, 1] == 0.0 and columns[3, 1] == 1.0
+    assert np.isnan(columns[1, 1]) and np.isnan(columns[2, 1])
+    # 2 layers x 4 columns of 16 x 16 pixels; finite log10 norms from 0
+    # (bottom of viridis) to 2 (top): 1 is its middle.
+    image = heatmap.image()[0]
+    assert image.shape == (32, 64, 3)
+    assert image[8, ::16].tolist() == [[32, 144, 140], [253, 231, 37]] * 2
+    assert image[24, ::16].tolist() == [[0, 0, 0], [255, 0, 0], [255, 0, 0], [68, 1, 84]]
+
+
+def test_heatmap_columns_of_a_long_run_cover_equal_spans():
+    # 3000 steps over at most 1024 columns: 1024 < 3000 <= 4096, so the span
+    # is 4: 750 full columns of 4 steps each, no pending one. The geometric
+    # mean of steps 4k-3 .. 4k with norm 10^step is 10^(4k - 1.5).
+    heatmap = _tb_panels.Heatmap(max_columns=1024)
+    for step in range(1, 3001):
+        heatmap.add(step, [10.0 ** (step / 1000.0)])
+    assert heatmap.steps == list(range(4, 3001, 4))
+    assert len(heatmap.columns) == 750 and heatmap.span == 4
+    np.testing.assert_allclose(
+        np.array(heatmap.columns)[:, 0],
+        10.0 ** ((np.arange(4, 3001, 4) - 1.5) / 1000.0),
+        rtol=1e-12,
+    )
+    heatmap.add(3001, [1.0])  # a partial column of 1 step, shown last
+    assert heatmap.steps[-2:] == [3000, 3001] and len(heatmap.columns) == 751
 
 
 def test_tensorboard_server_serves_the_gradient_panels(hand_run, tmp_path):
@@ -347,6 +382,28 @@ def test_mixed_precision_skipped_step_panels_and_snapshot(tmp_path, mixed_float1
     assert [float(d["loss_scale"]) for d in loaded] == [8.0, 4.0, 4.0]
     assert loaded[0]["dense_0/kernel"].dtype == np.float32  # as the optimizer gets it
     assert float(loaded[2]["dense_0/kernel"][0, 0]) == 7.5
+
+
+def test_keep_every_optimizer_scalars_sit_at_the_current_step(tmp_path):
+    # keep_every=3 writes the slots on steps 1, 4, 7, 10; update_freq=5
+    # records after steps 5 and 10, reading steps 4 and 10 (lr 0: 5w = 15).
+    # Batch 2 holds a NaN: the LossScaleOptimizer skips step 2 (scale 8 ->
+    # 4). After step 5 it applied 4 steps: 1 skipped; written at step 5,
+    # not at the kept step 4 (where 4 - 4 applied would say 0, and step 4's
+    # labels once read -1 without a skipped step).
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), initial_scale=8.0
+    )
+    model = hand_model(optimizer=optimizer, keep_every=3)
+    x, y = hand_data(10)
+    x[3, 0] = np.nan
+    board = callbacks.GradientTensorBoard(tmp_path / "logs", update_freq=5)
+    model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[board])
+    acc = read_run(str(tmp_path / "logs" / "train"))
+    assert scalars(acc, "gradients/global_norm") == [(4, 15.0), (10, 15.0)]
+    assert scalars(acc, "gradients/nonfinite") == [(4, 0.0), (10, 0.0)]
+    assert scalars(acc, "gradients/skipped_steps") == [(5, 1.0), (10, 1.0)]
+    assert scalars(acc, "gradients/loss_scale") == [(5, 4.0), (10, 4.0)]
 
 
 # GradientMonitor -----------------------------------------------------------
@@ -516,6 +573,37 @@ def test_keep_every_callbacks_read_each_kept_step_once_at_its_step(tmp_path):
     assert history.history["grad_norm"] == [5.8125]
 
 
+def test_keep_every_labels_a_read_step_with_the_epoch_it_ran_in(tmp_path):
+    # 5 batches per epoch, epochs 2 and 3 (initial_epoch=2), lr 0: 5w = 15,
+    # but batch 5 of each epoch is doubled: 15 * 2^2 = 60. keep_every=2
+    # writes steps 1, 3, 5, 7, 9; checks every 3 batches, after steps 3, 6
+    # and 9, read steps 3, 5 and 9. Step 5 is epoch 2's last batch, read
+    # while epoch 3 runs: it is labelled epoch 2 (file "e3", 1-based).
+    model = hand_model(lr=0.0, keep_every=2)
+    x, y = hand_data(5)
+    x[8:] *= 2.0
+    snapshot = callbacks.GradientSnapshot(
+        tmp_path / "e{epoch}_s{step}.npz", every=3
+    )
+    monitor = callbacks.GradientMonitor(exploding_threshold=40.0, check_freq=3)
+    with pytest.warns(UserWarning, match=r"Step 5: exploding gradients: global norm 60 "):
+        model.fit(x, y, batch_size=2, epochs=4, initial_epoch=2, shuffle=False,
+                  verbose=0, callbacks=[snapshot, monitor])
+    found = []
+    for filename in snapshot.files:
+        with np.load(filename) as data:
+            found.append((os.path.basename(filename), int(data["step"]),
+                          int(data["epoch"]), float(data["dense_0/kernel"][0, 0])))
+    assert found == [
+        ("e3_s3.npz", 3, 3, 15.0),
+        ("e3_s5.npz", 5, 3, 60.0),
+        ("e4_s9.npz", 9, 4, 15.0),
+    ]
+    assert [(e["kind"], e["step"], e["epoch"]) for e in monitor.events] == [
+        ("exploding", 5, 2)
+    ]
+
+
 def test_keep_every_labels_across_executions_and_fits(tmp_path):
     # keep_every=3 and steps_per_execution=2: callbacks run after steps 2, 4
     # of each fit. The count of steps goes on across fits: writes on global
@@ -621,6 +709,16 @@ def test_snapshot_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
         (
             lambda: callbacks.GradientSnapshot("grads-{batch}.npz"),
             "`path` may only hold the fields {step} and {epoch}",
+        ),
+        (
+            lambda: callbacks.GradientSnapshot("grads-{step[0]}.npz"),
+            "`path` may only hold the fields {step} and {epoch} (with format "
+            "specs like {step:06d}). Received: path='grads-{step[0]}.npz' "
+            "(TypeError: 'int' object is not subscriptable)",
+        ),
+        (
+            lambda: callbacks.GradientSnapshot("grads-{epoch.x}.npz"),
+            "Received: path='grads-{epoch.x}.npz' (AttributeError: ",
         ),
         (
             lambda: callbacks.GradientSnapshot("g.npz", every=-2),

@@ -420,9 +420,41 @@ def test_non_scalar_fn_names_the_metric():
         (lambda: kgm.GradientMetric(kernel_grad, reduction="median"), ValueError, "reduction='median'"),
         (lambda: kgm.GradientNorm(per_layer="yes"), TypeError, "per_layer='yes'"),
         (lambda: kgm.VanishingGradients(threshold=-1.0), ValueError, "threshold=-1.0"),
+        (
+            lambda: kgm.VanishingGradients(threshold=float("nan")),
+            ValueError,
+            r"^`threshold` must be a finite, non-negative number\. Received: threshold=nan$",
+        ),
+        (lambda: kgm.VanishingGradients(threshold=float("inf")), ValueError, "threshold=inf"),
+        (lambda: kgm.VanishingGradients(threshold=True), ValueError, "threshold=True"),
         (lambda: kgm.GradientNorm(dtype="float16"), ValueError, "dtype='float16'"),
     ],
 )
 def test_bad_arguments(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+def test_vanishing_threshold_accepts_any_real_number():
+    # NumPy numbers, as GradientMonitor's thresholds accept them; stored as
+    # a Python float, so the config stays JSON-serializable.
+    for threshold, expected in [(np.float32(0.5), 0.5), (np.int64(2), 2.0), (0, 0.0)]:
+        metric = kgm.VanishingGradients(threshold=threshold)
+        assert metric.threshold == expected
+        assert type(metric.get_config()["threshold"]) is float
+
+
+@pytest.mark.parametrize(
+    "cls, expected",
+    [
+        (kgm.GradientNorm, "grad_norm"),
+        (kgm.GradientMaxAbs, "grad_max_abs"),
+        (kgm.NonFiniteGradients, "grad_nonfinite"),
+        (kgm.VanishingGradients, "grad_vanishing"),
+        (kgm.UpdateRatio, "update_ratio"),
+    ],
+)
+def test_name_none_means_the_default_name(cls, expected):
+    # As for Keras metrics (`keras.metrics.Mean(name=None).name == "mean"`).
+    assert cls(name=None).name == expected
+    assert cls.from_config({**cls().get_config(), "name": None}).name == expected
