@@ -26,9 +26,10 @@ class GradientSnapshot(keras.callbacks.Callback):
     (bfloat16 is stored as float32, which NumPy can read), and three
     scalars: `step` (training batches run in this `fit`), `epoch` (the
     1-based epoch in which `step` ran, as in the file name) and
-    `loss_scale` (a `LossScaleOptimizer`'s dynamic scale read after the
-    step, else the optimizer's `loss_scale_factor`, else 1.0; the gradients
-    are already unscaled).
+    `loss_scale` (a `LossScaleOptimizer`'s dynamic scale as the file is
+    written: after the step, or under `keep_every` possibly some steps
+    later; else the optimizer's `loss_scale_factor`, else 1.0; the
+    gradients are already unscaled).
 
     A file is never half-written: it is written to a temporary file in the
     same directory, then renamed over the target. Without `{step}` or
