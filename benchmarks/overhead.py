@@ -23,7 +23,8 @@ processes, one after another; their rounds are pooled, and the bootstrap
 draws processes before rounds, so with several processes the interval also
 covers what differs between whole processes (the machine's state while
 each ran, whatever a process's own start leaves behind), which no number
-of rounds or objects within one process averages out.
+of rounds or objects within one process averages out. `--combine A.json
+B.json` times nothing and pools the processes of such runs made apart.
 
 Variants (all with the same initial weights, `Adam` or with `--optimizer
 sgd` `SGD`, the same batch):
@@ -648,6 +649,46 @@ def combine_processes(runs):
     return configs
 
 
+def combine_files(paths):
+    """Pools the processes of earlier `--processes` runs, from their JSON.
+
+    Every process must have timed the same variants with the same
+    optimizer; the configs (model, jit, batch size) that every process
+    timed are pooled (`combine_processes`), in the first process's order,
+    and the others dropped: a run of both jit modes combines with a run of
+    one into that one.
+
+    Raises:
+        ValueError: A file holds no process runs, or the runs differ in
+            their variants or optimizer, or share no config.
+    """
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            found = json.load(f).get("process_runs")
+        if not found:
+            raise ValueError(
+                f"{path} holds no process runs: `--combine` takes the JSON "
+                "files of runs made with `--processes` 2 or more.")
+        runs += found
+    for key in ("variants", "optimizer"):
+        if len({json.dumps(run[key]) for run in runs}) != 1:
+            raise ValueError(f"The runs to combine differ in their {key}.")
+
+    def key(config):
+        return config["model"], config["jit_compile"], config["batch_size"]
+
+    common = [key(c) for c in runs[0]["configs"]
+              if all(key(c) in {key(d) for d in run["configs"]} for run in runs)]
+    if not common:
+        raise ValueError("The runs to combine share no config (model, jit, batch size).")
+    runs = [dict(run, configs=[c for c in run["configs"] if key(c) in common])
+            for run in runs]
+    return {"mode": "combined", "sources": list(paths), "variants": runs[0]["variants"],
+            "optimizer": runs[0]["optimizer"], "configs": combine_processes(runs),
+            "op_counts": [], "memory": [], "process_runs": runs, "complete": True}
+
+
 def time_in_processes(argv, processes, log):
     """Runs the timing in `processes` fresh processes, one after another.
 
@@ -1038,6 +1079,9 @@ def make_parser():
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-ops", action="store_true")
     parser.add_argument("--out", help="JSON path; default benchmarks/results/")
+    parser.add_argument("--combine", nargs="+", metavar="JSON",
+                        help="time nothing: pool the processes of earlier "
+                        "--processes runs' JSON files (their common configs)")
     parser.add_argument("--memory-child", nargs=2, metavar=("MODEL", "VARIANT"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=20, help=argparse.SUPPRESS)
@@ -1052,6 +1096,15 @@ def main(argv=None):
     if args.memory_child:
         memory_child(*args.memory_child, smoke=args.smoke, steps=args.steps)
         return None
+    if args.combine:
+        results = combine_files(args.combine)
+        results["command"] = " ".join([os.path.basename(sys.executable)] + sys.argv)
+        out = args.out or os.path.join(ROOT, "benchmarks", "results", "overhead-combined.json")
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(markdown(results))
+        return results
 
     mode_name = "smoke" if args.smoke else "quick" if args.quick else "full"
     mode = dict(MODES[mode_name])

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ["plain", "control", "kept", "every10", "hand", "floor", "recompute"]
@@ -233,6 +234,32 @@ def test_overhead_in_processes_pools_their_rounds(tmp_path):
     # (here turned off too).
     assert all(run["memory"] == [] and run["op_counts"] == [] for run in runs)
     assert all(run["mode"] == "smoke" for run in runs)
+
+    # `--combine` pools runs made apart: here this one and a copy whose
+    # processes also timed a config this one lacks, which is dropped.
+    other = json.loads(out.read_text())
+    for run in other["process_runs"]:
+        run["configs"].append(dict(run["configs"][0], jit_compile=True))
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    combined_path = tmp_path / "combined.json"
+    overhead = _overhead_module()
+    overhead.main(["--combine", str(out), str(tmp_path / "other.json"),
+                   "--out", str(combined_path)])
+    combined = json.loads(combined_path.read_text())
+    assert combined["sources"] == [str(out), str(tmp_path / "other.json")]
+    (pooled,) = combined["configs"]
+    assert (pooled["jit_compile"], pooled["processes"], pooled["rounds"]) == (False, 4, 8)
+    for variant in ("plain", "control", "kept", "floor"):
+        assert pooled["seconds_per_step"][variant] == 2 * config["seconds_per_step"][variant]
+    assert pooled["per_process"] == 2 * config["per_process"]
+
+    other["process_runs"][0]["variants"] = ["plain", "control", "kept"]
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="differ in their variants"):
+        overhead.combine_files([str(out), str(tmp_path / "other.json")])
+    (tmp_path / "single.json").write_text(json.dumps({"configs": []}))
+    with pytest.raises(ValueError, match="single.json holds no process runs"):
+        overhead.combine_files([str(out), str(tmp_path / "single.json")])
 
 
 def test_a_process_of_processes_times_only_itself_whatever_the_spelling():
