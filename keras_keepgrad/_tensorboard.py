@@ -36,7 +36,9 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
     - `gradients/histogram/<variable path>`: histograms of the gradients of
       the epoch's last batch (its finite values), every `histogram_freq`
       epochs, at the epoch step, beside Keras's weight histograms.
-    - `gradients/heatmap`: at each epoch end, an image of log10 layer norms,
+    - `gradients/heatmap`: at each epoch end once a step was recorded
+      (with an integer `update_freq`, not before that many steps), an
+      image of log10 layer norms,
       layers (rows, forward order) by recorded steps (columns), for the
       whole run so far: at most 1024 columns, each the geometric mean of
       the same number of recorded steps (doubled as the run grows; the last

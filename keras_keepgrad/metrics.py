@@ -115,8 +115,9 @@ class GradientMetric(keras.metrics.Metric):
     Example:
 
     ```python
+    # With a layer `keras.layers.Dense(..., name="dense")`:
     def max_kernel_grad(grads):
-        return grads["dense"]["kernel"][0, 0]
+        return keras.ops.max(keras.ops.abs(grads["dense"]["kernel"]))
 
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
                   metrics=["mae", kg.metrics.GradientNorm(),

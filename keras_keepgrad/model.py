@@ -55,6 +55,11 @@ class KeepGradModel(keras.Model):
             Gradient metrics still see every step. Defaults to `1`.
         **kwargs: Passed on to `keras.Model`.
 
+    Raises:
+        TypeError: `keep_gradients` or `save_gradients` is not a bool.
+        ValueError: `keep_every` is not a positive int; at `fit`, two
+            trainable variables share a path (layers of the same `name`).
+
     Example:
 
     >>> import keras, numpy as np
@@ -649,6 +654,7 @@ def keep_gradients(model, **options):
     Raises:
         TypeError: `model` is not a `keras.Model`, or an option is unknown
             or not a bool.
+        ValueError: `keep_every` is not a positive int.
 
     Warns:
         UserWarning: `model`'s class overrides `train_step`, `test_step`,

@@ -88,7 +88,7 @@ assert last / first > 1e3
 print("panels written:", sorted(t for t in acc.Tags()["tensors"] if t.startswith("gradients/"))[:4], "...")
 
 # %% [markdown]
-# ## The fix: ReLU (with He initialization) keeps the gradients alive
+# ## The fix: ReLU keeps the gradients alive
 
 # %%
 model = mlp("relu", name="relu_mlp")

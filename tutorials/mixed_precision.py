@@ -45,8 +45,9 @@ print("kernel dtype:", layer.kernel.dtype, "| compute dtype:", layer.compute_dty
 
 # %% [markdown]
 # Train one step at a time and look at the kept gradient, the loss scale and
-# the weight. The first steps overflow: `6 * 32768` does not fit in float16
-# (max 65504), so Keras skips them and halves the scale; the kept gradient
+# the weight. The first steps overflow: the scaled kernel gradient,
+# `15 * scale`, does not fit in float16 (max 65504) until the scale is down
+# to 4096, so Keras skips them and halves the scale; the kept gradient
 # is `inf`, the weight does not move. At scale 4096 the step goes through and
 # the kept gradient is exactly `5 w = 15`, unscaled, in float32.
 

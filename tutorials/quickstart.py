@@ -68,7 +68,8 @@ for layer, variables in grads.items():
     for name, g in variables.items():
         print(f"{layer}/{name}: shape {tuple(g.shape)}, |g| = {float(np.linalg.norm(g)):.4f}")
 
-# The global norm of these is the last step's grad_norm: check it by hand.
+# Their global norm, by hand: the last step's value (the logged grad_norm
+# is the epoch's mean over steps, so it differs).
 last_norm = np.sqrt(sum(float(np.sum(np.square(g))) for v in grads.values() for g in v.values()))
 print(f"global norm of the last batch: {last_norm:.4f}")
 assert last_norm > 0
