@@ -710,12 +710,16 @@ def keep_gradients(model, **options):
             inputs, outputs = model.inputs, model.outputs
         except (AttributeError, ValueError):
             inputs = None
-    if inputs:
-        kept = FunctionalKeepGradModel(inputs, outputs, name=model.name, **options)
-    else:
-        kept = WrappedKeepGradModel(model, name=model.name, **options)
-    if model.compiled:
-        config = _compat.compile_arguments(model)
-        config["optimizer"] = model.optimizer
-        kept.compile(**config)
+    # Under the strategy `model` was made in, as Keras's own models take it
+    # from the scope they are made in: its variables are that strategy's.
+    strategy = getattr(model, "_distribute_strategy", None)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        if inputs:
+            kept = FunctionalKeepGradModel(inputs, outputs, name=model.name, **options)
+        else:
+            kept = WrappedKeepGradModel(model, name=model.name, **options)
+        if model.compiled:
+            config = _compat.compile_arguments(model)
+            config["optimizer"] = model.optimizer
+            kept.compile(**config)
     return kept

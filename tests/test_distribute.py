@@ -209,6 +209,16 @@ def test_mixed_float16_skips_consistently_and_matches_one_device(mirrored):
     assert not np.isfinite(plain["weights"][1])
 
 
+def test_keep_gradients_outside_the_scope_trains_under_the_models_strategy(mirrored):
+    # The plain model was made in the strategy's scope, `keep_gradients` is
+    # called outside it: the result takes the model's strategy (it failed
+    # with "tuple indices must be integers or slices, not MirroredVariable").
+    r = _ok(mirrored, "wrapped_outside")
+    assert r["same_strategy"] is True
+    assert r["gradients"] == [[15.0]]  # 5w at w = 3, the global batch
+    assert r["weight"] == 1.5 and r["loss"] == [22.5]
+
+
 def test_jit_compile_falls_back_with_a_warning(mirrored):
     r = _ok(mirrored, "jit_compile")
     # Plain Keras cannot compile the distributed step with XLA at all.
@@ -548,6 +558,22 @@ def _scenario_jit_compile(strategy):
     }
 
 
+def _scenario_wrapped_outside_the_scope(strategy):
+    import keras
+
+    import keras_keepgrad as kg
+
+    plain = _one_weight_model(keras.Model, strategy)  # made and compiled in it
+    model = kg.keep_gradients(plain)  # outside the scope
+    history = _fit(model, _dataset(X, Y, batch_size=2))
+    return {
+        "same_strategy": model.distribute_strategy is strategy,
+        "gradients": _kernel(model),
+        "weight": _weight(plain),
+        "loss": history.history["loss"],
+    }
+
+
 def _mirrored_scenarios():
     import keras
     import tensorflow as tf
@@ -563,6 +589,7 @@ def _mirrored_scenarios():
     _scenario(results, "reference_loss_scale", _scenario_reference, strategy, "loss_scale")
     _scenario(results, "mixed_float16", _scenario_mixed_float16, strategy)
     _scenario(results, "jit_compile", _scenario_jit_compile, strategy)
+    _scenario(results, "wrapped_outside", _scenario_wrapped_outside_the_scope, strategy)
     return results
 
 
