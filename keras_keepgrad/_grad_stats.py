@@ -148,22 +148,17 @@ class StepCounter:
     """
 
     def __init__(self):
+        self.begin_train()
+
+    def begin_train(self):
         self.step = 0
-        self._epoch_start = 0
         # Steps run before each epoch began, and its (0-based) epoch number
         # as Keras passes it (so `initial_epoch` counts).
         self._starts = []
         self._epochs = []
 
-    def begin_train(self):
-        self.step = 0
-        self._epoch_start = 0
-        self._starts = []
-        self._epochs = []
-
     def begin_epoch(self, epoch):
         """At `on_epoch_begin(epoch)`: the epoch's steps start after now."""
-        self._epoch_start = self.step
         self._starts.append(self.step)
         self._epochs.append(epoch)
 
@@ -184,7 +179,8 @@ class StepCounter:
         steps = (params or {}).get("steps")
         if steps:
             in_epoch = min(in_epoch, steps)
-        previous, self.step = self.step, self._epoch_start + in_epoch
+        epoch_start = self._starts[-1] if self._starts else 0
+        previous, self.step = self.step, epoch_start + in_epoch
         return previous
 
 

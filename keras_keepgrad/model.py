@@ -30,6 +30,18 @@ def _check_keep_every(value):
     return int(value)
 
 
+def _marking_evaluation(test_step):
+    """`test_step`, run as an evaluation step (`_keeper.evaluation_step`)."""
+
+    @functools.wraps(test_step)
+    def marked(self, data):
+        with _keeper.evaluation_step():
+            return test_step(self, data)
+
+    marked._marks_evaluation = True
+    return marked
+
+
 @keras.saving.register_keras_serializable(package="keras_keepgrad")
 class KeepGradModel(keras.Model):
     """A `keras.Model` that keeps each training batch's gradients.
@@ -389,10 +401,8 @@ class KeepGradModel(keras.Model):
         ):
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def test_step(self, data):
-        # Gradient metrics (`keras_keepgrad.metrics`) skip evaluation steps.
-        with _keeper.evaluation_step():
-            return super().test_step(data)
+    # Gradient metrics (`keras_keepgrad.metrics`) skip evaluation steps.
+    test_step = _marking_evaluation(keras.Model.test_step)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -470,16 +480,6 @@ class KeepGradModel(keras.Model):
     def get_gradients_by_path(self):
         """The last training batch's gradients as `{variable path: tensor}`."""
         return self._checked_keeper().read()
-
-
-def _marking_evaluation(test_step):
-    @functools.wraps(test_step)
-    def marked(self, data):
-        with _keeper.evaluation_step():
-            return test_step(self, data)
-
-    marked._marks_evaluation = True
-    return marked
 
 
 @keras.saving.register_keras_serializable(
