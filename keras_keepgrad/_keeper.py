@@ -350,7 +350,9 @@ def _spec_of(grad, dense_shape, sparse):
     if isinstance(grad, tf.IndexedSlices):
         values = grad.values
         if sparse:
-            return ("sparse", values.dtype, tuple(values.shape[1:]))
+            # A row's shape from the variable: the step's all-reduce (across
+            # workers) gathers rows whose static shape it does not keep.
+            return ("sparse", values.dtype, tuple(dense_shape[1:]))
         return ("dense", values.dtype, tuple(dense_shape))
     return ("dense", grad.dtype, tuple(grad.shape))
 

@@ -249,6 +249,15 @@ def test_multi_worker_fit_keeps_the_same_global_gradient(workers):
         assert r["replica_copies"] == [[[15.0]]]
 
 
+def test_multi_worker_keeps_a_sparse_gradient(workers):
+    for r in workers:
+        assert "embedding_error" not in r, r.get("embedding_error")
+        # Worker 0 has ids [1, 1, 3], worker 1 [0, 1, 4]; every output is 6,
+        # d(loss)/d(output) = 6 per sample, 6 per occurrence of an id.
+        assert r["embedding_gradients"] == [[6.0] * 2, [18.0] * 2, [0.0] * 2,
+                                            [6.0] * 2, [6.0] * 2]
+
+
 def test_plain_keras_fit_fails_under_multi_worker(workers):
     # keras-team/keras#20585: Keras 3.15's `_maybe_symbolic_build` reduces a
     # pulled batch with `strategy.reduce`, which fails on the PerReplica;
@@ -644,5 +653,20 @@ def _worker_scenario():
         )
     except Exception:
         result["error"] = traceback.format_exc()
+
+    # A sparse gradient: the step's all-reduce gathers the workers' rows
+    # into values of unknown row count (and, once, lost row shape).
+    try:
+        with strategy.scope():
+            inputs = keras.Input((3,), dtype="int32")
+            embed = keras.layers.Embedding(5, 2, embeddings_initializer="ones", name="emb")
+            head = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", name="head")
+            model = kg.KeepGradModel(inputs, head(keras.layers.Flatten()(embed(inputs))))
+            model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+        ids = _dataset([[1, 1, 3], [0, 1, 4]], [[0.0], [0.0]], batch_size=2)
+        _fit(model, ids.with_options(options))
+        result["embedding_gradients"] = _tolist(model.gradients["emb"]["embeddings"])
+    except Exception:
+        result["embedding_error"] = traceback.format_exc()
     return result
 
