@@ -3,6 +3,8 @@
 import contextlib
 import functools
 import numbers
+import os
+import sys
 import types
 import warnings
 
@@ -28,6 +30,25 @@ def _check_keep_every(value):
             f"Received: keep_every={value!r}"
         )
     return int(value)
+
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(path)) + os.sep
+    for path in (keras.__file__, tf.__file__, __file__)
+)
+
+
+def _user_stacklevel():
+    """The `stacklevel` that makes a warning name the user's line.
+
+    For `warnings.warn` in the calling function: it counts that function's
+    frame as 1, then every frame of Keras, TensorFlow or this package
+    above it (a setter reached through `compile` passes through several).
+    """
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _marking_evaluation(test_step):
@@ -270,7 +291,7 @@ class KeepGradModel(keras.Model):
                 f"jit_compile={value!r} with "
                 f"{type(self.distribute_strategy).__name__} of "
                 f"{self.distribute_strategy.num_replicas_in_sync} replicas.",
-                stacklevel=2,
+                stacklevel=_user_stacklevel(),
             )
             value = False
         keras.Model.jit_compile.fset(self, value)

@@ -227,6 +227,8 @@ def test_jit_compile_falls_back_with_a_warning(mirrored):
     message = r["warnings"][0]
     assert "jit_compile=True" in message and "jit_compile=False" in message
     assert "MirroredStrategy" in message
+    # It names the user's `compile` line, not a frame inside Keras or TF.
+    assert r["warned_at"] == ["test_distribute.py"]
     assert r["jit_compile"] is False
     assert r["gradients"] == [[15.0]]
 
@@ -562,6 +564,8 @@ def _scenario_jit_compile(strategy):
     return {
         "plain_keras_error": plain_error,
         "warnings": [str(w.message) for w in caught if "jit_compile" in str(w.message)],
+        "warned_at": [os.path.basename(w.filename) for w in caught
+                      if "jit_compile" in str(w.message)],
         "jit_compile": model.jit_compile,
         "gradients": _kernel(model),
     }
