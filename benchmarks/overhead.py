@@ -1,7 +1,8 @@
 """What keeping gradients costs, measured against plain Keras.
 
 Paired, interleaved rounds in one process. A round makes 2 passes over the
-variants below, each pass in an order rotated by one, and each variant runs
+variants below, in orders rotated by one each round (`pass_order`: every
+variant runs at every position, and first, equally often), and each variant runs
 the same fixed number of training steps per pass (about 0.1 s of plain
 training: with 40 ms passes the 1M MLP's per-round ratios had an IQR of
 about 6 points here, with 0.1 s about 4); the variant's time in the round
@@ -472,7 +473,8 @@ def intervals(samples, target):
 def fastest_from(config):
     """`{(variant, instance): array[rounds, 2]}`: each round's fastest pass
     (wall, CPU seconds per step) of each instance, from a config's
-    `pass_seconds_per_step`."""
+    `pass_seconds_per_step`. The wall and CPU minima are taken separately
+    (they can come from different passes), alike for every variant."""
     return {
         (v, i): np.asarray(passes).min(axis=1)
         for v, per_instance in config["pass_seconds_per_step"].items()
@@ -535,6 +537,22 @@ def config_result(runs, variants, target):
     return result
 
 
+def pass_order(keys, r, p, passes):
+    """The order in which pass `p` of round `r` times `keys`.
+
+    A rotation by `r`, plus an offset per pass that spreads a round's passes
+    over the rotation: for each pass, over `len(keys)` rounds every key runs
+    once at each position, in particular first (right after the round's
+    `gc.collect()`, a slow spot). Rotating by `r * passes + p` instead, as
+    before, put with an even number of keys and 2 passes only every other
+    key first in pass 0: with 4 variants (`--variants kept floor`), `plain`
+    and `kept` always, `control` and `floor` never.
+    """
+    n = len(keys)
+    shift = (r + p * max(1, n // passes)) % n
+    return keys[shift:] + keys[:shift]
+
+
 def time_config(name, spec, jit_compile, mode, variants, log):
     build, batch_size, make_x = spec
     rng = np.random.default_rng(0)
@@ -567,8 +585,7 @@ def time_config(name, spec, jit_compile, mode, variants, log):
         gc.disable()  # no collection inside a timed block
         try:
             for p in range(passes):
-                shift = (r * passes + p) % len(keys)
-                for key in keys[shift:] + keys[:shift]:
+                for key in pass_order(keys, r, p, passes):
                     raw[key][r, p] = run_steps(*entries[key], steps)
         finally:
             gc.enable()
@@ -682,7 +699,8 @@ def combine_files(paths):
               if all(key(c) in {key(d) for d in run["configs"]} for run in runs)]
     if not common:
         raise ValueError("The runs to combine share no config (model, jit, batch size).")
-    runs = [dict(run, configs=[c for c in run["configs"] if key(c) in common])
+    runs = [dict(run, configs=[next(c for c in run["configs"] if key(c) == k)
+                               for k in common])
             for run in runs]
     return {"mode": "combined", "sources": list(paths), "variants": runs[0]["variants"],
             "optimizer": runs[0]["optimizer"], "configs": combine_processes(runs),
@@ -913,7 +931,7 @@ _TITLES = {"kept": "kept", "every10": "kept, keep_every=10",
            "recompute": "recompute in callback"}
 
 
-def _timing_table(results, ratio_key, beyond_key, intervals_key, floor_key):
+def _timing_table(results, seconds_key, ratio_key, beyond_key, intervals_key, floor_key):
     shown = [v for v in results["variants"] if v in _TITLES]
     floor = "kept" in shown and "floor" in shown
     lines = [
@@ -952,7 +970,8 @@ def _timing_table(results, ratio_key, beyond_key, intervals_key, floor_key):
         control = {k: v - 1 for k, v in r[ratio_key]["control"].items()}
         lines.append(
             f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['batch_size']} | "
-            f"{'on' if r['jit_compile'] else 'off'} | {r['step_ms']['plain']:.2f} | "
+            f"{'on' if r['jit_compile'] else 'off'} | "
+            f"{np.median(r[seconds_key]['plain']) * 1e3:.2f} | "
             f"{_iqr(control)} | " + " | ".join(_iqr(beyond[v]) for v in shown)
             + beyond_floor + f" | {factor} | {interval} | {target} |"
         )
@@ -964,10 +983,11 @@ def markdown(results):
     lines = []
     if results["configs"]:
         lines += ["Wall time:", ""]
-        lines += _timing_table(results, "ratio", "beyond_control", "wall_intervals",
-                               "kept_beyond_floor")
+        lines += _timing_table(results, "seconds_per_step", "ratio", "beyond_control",
+                               "wall_intervals", "kept_beyond_floor")
         lines += ["", "Process CPU time (all threads):", ""]
-        lines += _timing_table(results, "cpu_ratio", "cpu_beyond_control", "cpu_intervals",
+        lines += _timing_table(results, "cpu_seconds_per_step", "cpu_ratio",
+                               "cpu_beyond_control", "cpu_intervals",
                                "cpu_kept_beyond_floor")
         lines += [
             "",

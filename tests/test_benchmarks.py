@@ -5,6 +5,7 @@ sign are asserted, never a ratio. The bootstrap interval is checked on
 made-up times.
 """
 
+import collections
 import importlib.util
 import json
 import os
@@ -113,6 +114,26 @@ def _overhead_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_pass_order_puts_every_key_at_every_position_equally_often():
+    overhead = _overhead_module()
+    for n_variants, instances in ((4, 2), (5, 2), (2, 1), (7, 1)):
+        keys = [(v, i) for i in range(instances) for v in range(n_variants)]
+        n = len(keys)
+        for p in range(2):
+            seen = collections.Counter()
+            for r in range(n):
+                order = overhead.pass_order(keys, r, p, 2)
+                assert sorted(order) == sorted(keys)
+                seen.update(enumerate(order))
+            # Over n rounds each (position, key) pair once: each key first
+            # once in pass 0, right after the round's garbage collection.
+            assert len(seen) == n * n and set(seen.values()) == {1}
+    # The passes of one round start at different keys.
+    keys = list(range(8))
+    assert overhead.pass_order(keys, 3, 0, 2)[0] == 3
+    assert overhead.pass_order(keys, 3, 1, 2)[0] == 7
 
 
 def test_bootstrap_interval_spans_the_spread_between_model_objects():
