@@ -2,12 +2,12 @@
 
 Paired, interleaved rounds in one process. A round makes 2 passes over the
 variants below, in orders rotated by one each round (`pass_order`: every
-variant runs at every position, and first, equally often), and each variant runs
-the same fixed number of training steps per pass (about 0.1 s of plain
-training: with 40 ms passes the 1M MLP's per-round ratios had an IQR of
-about 6 points here, with 0.1 s about 4); the variant's time in the round
-is its fastest pass (other processes on a shared machine only ever add
-time). Each variant's round time is divided by the plain `keras.Model`'s time
+variant runs at every position, and first, equally often), and each
+variant runs the same fixed number of training steps per pass (about
+0.1 s of plain training: with 40 ms passes the 1M MLP's per-round ratios
+had an IQR of about 6 points here, with 0.1 s about 4); the variant's
+time in the round is its fastest pass (other processes on a shared
+machine only ever add time). Each variant's round time is divided by the plain `keras.Model`'s time
 of the same round; the tables report the median of these per-round ratios and
 their interquartile range (IQR) as the "overhead beyond control": the median
 over rounds of `ratio(variant) - ratio(control)`, where the control is a
