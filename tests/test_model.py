@@ -714,6 +714,21 @@ def test_off_traces_exactly_the_ops_of_a_plain_model():
     assert len(kept) > len(plain)
     assert kept.count("AssignVariableOp") == plain.count("AssignVariableOp") + 1
 
+    # The whole training function Keras runs (its loop, the step, every
+    # function they call), without and with XLA: also the same ops.
+    dataset = tf.data.Dataset.from_tensors((X, Y))
+    for jit_compile in (False, True):
+        counts = []
+        for model in (one_weight(cls=keras.Model), one_weight(keep_gradients=False)):
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                          jit_compile=jit_compile)
+            model.fit(dataset, shuffle=False, verbose=0)
+            counts.append(_ops_inside_and_outside_xla(model, dataset))
+        assert counts[0] == counts[1]
+        inside, outside = counts[0]
+        # The step was walked: its one-weight update, inside XLA or not.
+        assert (inside if jit_compile else outside)["AssignSubVariableOp"] >= 1
+
 
 @pytest.mark.parametrize("kind", ["dense", "embedding", "keep_every"])
 def test_each_update_comes_after_its_slot_write(kind):
