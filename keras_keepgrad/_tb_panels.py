@@ -209,7 +209,7 @@ class Heatmap:
         self.span = 1
         self._logs = []  # mean log10 norm of each full column
         self._ends = []
-        self._pending_sum = None  # sum of log10 norms of the pending steps
+        self._pending_sum = 0.0  # sum of log10 norms of the pending steps
         self._pending_count = 0
         self._pending_end = None
 
@@ -222,16 +222,13 @@ class Heatmap:
         """Records one step's per-layer norms."""
         logs = self._log10(layer_norms)
         with np.errstate(invalid="ignore"):  # -inf + inf: NaN, non-finite
-            if self._pending_count:
-                self._pending_sum = self._pending_sum + logs
-            else:
-                self._pending_sum = logs
+            self._pending_sum = self._pending_sum + logs
         self._pending_count += 1
         self._pending_end = step
         if self._pending_count == self.span:
             self._logs.append(self._pending_sum / self.span)
             self._ends.append(step)
-            self._pending_sum, self._pending_count, self._pending_end = None, 0, None
+            self._pending_sum, self._pending_count, self._pending_end = 0.0, 0, None
         if len(self._logs) + bool(self._pending_count) > self.max_columns:
             self._merge()
 
@@ -244,11 +241,8 @@ class Heatmap:
                 logs.append((self._logs[i] + self._logs[i + 1]) / 2.0)
                 ends.append(self._ends[i + 1])
             if len(self._logs) % 2:
-                leftover = self._logs[-1] * self.span
-                if self._pending_count:
-                    self._pending_sum = leftover + self._pending_sum
-                else:
-                    self._pending_sum = leftover
+                self._pending_sum = self._logs[-1] * self.span + self._pending_sum
+                if not self._pending_count:
                     self._pending_end = self._ends[-1]
                 self._pending_count += self.span
         self._logs, self._ends = logs, ends
