@@ -9,10 +9,13 @@ import bisect
 import numbers
 import os
 import tempfile
+import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+from keras_keepgrad import _capture
 
 __all__ = [
     "GradientNorms",
@@ -192,8 +195,10 @@ class NewGradients:
     only when they are new, and labels them with the step they come from.
     """
 
-    def __init__(self):
+    def __init__(self, owner):
+        self._owner = owner
         self._seen = None
+        self._warned = False
 
     def begin(self, model):
         """At `on_train_begin`: what the slots hold now counts as read.
@@ -212,6 +217,15 @@ class NewGradients:
             step: The callback's current step (`StepCounter.step`).
         """
         keeper = model._keeper
+        if keeper is not None and keeper.kept_nothing:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"{type(self._owner).__name__}: nothing to read. "
+                    + _capture.nothing_kept_message(model),
+                    stacklevel=2,
+                )
+            return None
         write, age = (None, 0) if keeper is None else keeper.last_write()
         if write is not None:
             if write == self._seen:

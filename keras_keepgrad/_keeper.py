@@ -20,10 +20,13 @@ import itertools
 import re
 import threading
 import types
+import warnings
 
 import keras
 import tensorflow as tf
 from keras import ops
+
+from keras_keepgrad import _capture
 
 __all__ = [
     "GradientKeeper",
@@ -37,6 +40,7 @@ __all__ = [
     "evaluation_step",
     "in_evaluation_step",
     "nest_by_path",
+    "none_for_none_spec",
     "reduces_in_step",
     "replica_spec",
     "unscale",
@@ -178,66 +182,55 @@ def nest_by_path(flat):
     return nested
 
 
-_step = threading.local()
-
-
-@contextlib.contextmanager
-def step_gradients(flat_grads, variables=None, reduced=False):
-    """Makes this step's kept gradients (`{path: grad}`) visible to metrics.
-
-    `variables` (`{path: variable}`, already updated by the optimizer) is
-    for metrics that measure the update itself. Under a `tf.distribute`
-    strategy `flat_grads` are this replica's partial gradients unless
-    `reduced=True` says they already are the global ones; metrics see global
-    ones either way (see `current_step_gradients`).
-    """
-    previous = (
-        getattr(_step, "grads", None),
-        getattr(_step, "variables", None),
-        getattr(_step, "reduced", True),
-    )
-    _step.grads, _step.variables, _step.reduced = flat_grads, variables, reduced
-    try:
-        yield
-    finally:
-        _step.grads, _step.variables, _step.reduced = previous
-
-
-def current_step_variables():
-    """The `{path: variable}` of the training step being run, else None."""
-    return getattr(_step, "variables", None)
+_evaluation = threading.local()
 
 
 @contextlib.contextmanager
 def evaluation_step():
     """Marks a test step: gradient metrics skip it instead of failing."""
-    previous = getattr(_step, "evaluating", False)
-    _step.evaluating = True
+    previous = getattr(_evaluation, "active", False)
+    _evaluation.active = True
     try:
         yield
     finally:
-        _step.evaluating = previous
+        _evaluation.active = previous
 
 
 def in_evaluation_step():
     """Whether a `KeepGradModel` test step is being traced or run."""
-    return getattr(_step, "evaluating", False)
+    return getattr(_evaluation, "active", False)
+
+
+def current_step_variables():
+    """The `{path: variable}` the training step being run has kept, else None.
+
+    The variables are those the optimizers received, already updated where
+    an optimizer's `apply` ran.
+    """
+    step = _capture.current_step()
+    return None if step is None else step.variables
 
 
 def current_step_gradients():
-    """The `{path: grad}` of the training step being traced or run, else None.
+    """The `{path: grad}` kept so far in the training step being run, else None.
 
+    `{}` in a training step where no optimizer received gradients yet.
     Sparse gradients come as `tf.IndexedSlices`; `densify` them to read.
     Under a `tf.distribute` strategy they are the global-batch gradients, the
-    same on every replica: the first call in a step all-reduces the
-    replicas' partial gradients (one all-reduce per step, only in steps
-    where some metric asks).
+    same on every replica: a call in a step all-reduces the replicas'
+    partial gradients kept since the previous call (one all-reduce per
+    step, only in steps where some metric asks).
     """
-    grads = getattr(_step, "grads", None)
-    if grads is not None and not _step.reduced:
-        grads = dict(zip(grads, all_reduce_sum(list(grads.values()))))
-        _step.grads, _step.reduced = grads, True
-    return grads
+    step = _capture.current_step()
+    if step is None:
+        return None
+    if step.reduced:
+        return step.grads
+    summed = step.backend_state.summed
+    todo = [path for path in step.grads if path not in summed]
+    if todo:
+        summed.update(zip(todo, all_reduce_sum([step.grads[p] for p in todo])))
+    return {path: summed[path] for path in step.grads}
 
 
 # Distribution --------------------------------------------------------------
@@ -292,6 +285,17 @@ def replica_spec(spec):
         return value_specs[0] if value_specs else s
 
     return tf.nest.map_structure(one_replica, spec)
+
+
+def none_for_none_spec(spec):
+    """None for the spec of an absent (optional, None) input, else `spec`.
+
+    What a symbolic build takes for such an input, as Keras's step turns a
+    `tf.experimental.Optional` without a value into None.
+    """
+    if isinstance(spec, tf.OptionalSpec) or not hasattr(spec, "shape"):
+        return None
+    return spec
 
 
 def agree_on_skip(optimizer, grads):
@@ -476,79 +480,199 @@ class GradientKeeper:
 
     The slots are plain `tf.Variable`s held by this object, which is not a
     Keras layer nor a `tf.train.Checkpoint` trackable: so they are never in
-    `model.weights`, checkpoints or exports.
+    `model.weights`, checkpoints or exports. They are made while the real
+    training step is first traced, from the gradients its optimizers
+    receive there: their shapes and dtypes are those of that step.
 
     Args:
+        strategy: The model's `tf.distribute` strategy.
         sparse: Bool. Store `tf.IndexedSlices` gradients as (values, indices)
             of the batch's rows instead of densifying them on every step.
             XLA cannot write a variable whose shape changes: a step compiled
             with XLA writes sparse slots through `deferring_sparse_writes`,
             or the keeper must be dense.
+        every: Positive int. Write the slots on steps 1, 1 + every, ...
+        choose_dense: Bool. Under `deferring_sparse_writes`, keep a sparse
+            gradient dense where the optimizer's update densifies it anyway
+            (`densified_in`): XLA then computes the dense tensor once for
+            both, and the rows need no copy out of the compiled step.
 
     Attributes:
-        dense_paths: Paths of variables whose sparse gradients are stored
-            dense even so (under XLA, where the optimizer densifies them
-            anyway: see `densified_in`); set before `rebuild`.
+        paths: Paths of the variables the training function keeps, in
+            `model.trainable_variables` order; `()` when its step passed
+            no gradient to any optimizer; None before it was traced.
+        trainable_paths: The model's trainable variable paths when it was
+            traced (the kept gradients are stale once they change).
     """
 
-    def __init__(self, sparse=True):
+    def __init__(self, strategy, sparse=True, every=1, choose_dense=False):
+        self.strategy = strategy
         self.sparse = sparse
-        self.dense_paths = frozenset()
+        self.every = every
+        self.choose_dense = choose_dense
+        self.dense_paths = set()
         self._deferred = None  # see `deferring_sparse_writes`
         self._deferred_slots = []
         self._serial = next(_KEEPER_SERIALS)  # tells keepers apart in `last_write`
         self._slots = {}
-        self._step = None  # counts steps, only with `keep_every > 1`
+        self._step = None  # counts steps, only with `every > 1`
         self._written = None  # `_step` at the last write, likewise
-        # Paths of the variables the current training function writes, in
-        # order; None until slots exist.
         self.paths = None
+        self.trainable_paths = None
+        self._warned_missing = False
 
     @property
     def built(self):
         return self.paths is not None
 
+    @property
+    def kept_nothing(self):
+        """Whether the traced step had trainable variables but kept nothing."""
+        return self.paths == () and bool(self.trainable_paths)
+
     def has_sparse_slots(self):
         """Whether some slot holds a sparse gradient as (values, indices)."""
         return any(slot.indices is not None for slot in self._slots.values())
 
-    def rebuild(self, variables, grads, strategy):
-        """Fresh zero slots for `variables`, shaped after traced `grads`."""
-        _check_unique_paths(variables)
-        self._slots = {}
-        self.paths = None
-        for variable, grad in zip(variables, grads):
-            self._slot_for(variable, grad, strategy)
-        self.paths = tuple(v.path for v in variables)
+    # One training step -------------------------------------------------
 
-    def _slot_for(self, variable, grad, strategy):
+    def begin_step(self, step):
+        """Before the model's `train_step`: what this step writes under."""
+        step.backend_state = types.SimpleNamespace(summed={}, write_now=None)
+        if self.every > 1:
+            if self._step is None:
+                self._create_step_counter(self.strategy)
+            step.backend_state.write_now = tf.equal(self._step % self.every, 0)
+            if self._deferred is not None:
+                self._deferred.wrote = step.backend_state.write_now
+
+    def end_step(self, step):
+        """After the model's `train_step`: which variables it kept."""
+        trainable = [v.path for v in step.model.trainable_variables]
+        order = {path: i for i, path in enumerate(trainable)}
+        kept = sorted(step.grads, key=lambda p: order.get(p, len(order)))
+        missing = [p for p in trainable if p not in step.grads]
+        if kept and missing and not self._warned_missing:
+            self._warned_missing = True
+            warnings.warn(
+                f"The training step of model {step.model.name!r} passed no "
+                f"gradient for the trainable variables {missing} to any "
+                "optimizer, so they have no kept gradient and are absent "
+                "from `model.gradients`. Pass them to `optimizer.apply` (a "
+                "None gradient is kept as zeros), or make them "
+                "non-trainable.",
+                stacklevel=2,
+            )
+        self.paths = tuple(kept)
+        self.trainable_paths = tuple(trainable)
+        if self._step is not None:
+            self._step.assign_add(1)
+
+    def keep_from_optimizer(self, step, optimizer, variables, grads, apply):
+        """Keeps what `optimizer.apply` receives, then runs `apply`.
+
+        Args:
+            step: The current `_capture.Step`.
+            optimizer: The optimizer whose `apply` was called.
+            variables: The variables it updates.
+            grads: The gradients it was given (loss-scaled, if the loss
+                was scaled).
+            apply: Runs the optimizer's own `apply` on a list of gradients.
+
+        Returns:
+            What `apply` returns.
+        """
+        kept = unscale(optimizer, variables, grads)
+        if self._choose_dense_after(variables, kept):
+            # The update's own ops tell which sparse gradients it densifies:
+            # trace it first, then make the slots (all writes under XLA,
+            # where the order is XLA's).
+            result = apply(agree_on_skip(optimizer, grads))
+            graph = tf.compat.v1.get_default_graph()
+            self.dense_paths.update(densified_in(graph, kept, variables))
+            kept, reduced, _ = self.store(variables, kept, step)
+        else:
+            kept, reduced, writes = self.store(variables, kept, step)
+            # Each slot write before the update of its variable: see `after`.
+            result = apply(agree_on_skip(optimizer, after(writes, grads)))
+        self._record(step, variables, kept, reduced)
+        return result
+
+    def keep_given(self, step, variables, grads):
+        """Keeps `grads` as given (a step without optimizer); returns them
+        ordered after their slot writes."""
+        kept = [
+            tf.zeros(v.shape, dtype=v.dtype) if g is None else g
+            for v, g in zip(variables, grads)
+        ]
+        kept, reduced, writes = self.store(variables, kept, step)
+        self._record(step, variables, kept, reduced)
+        return after(writes, list(grads))
+
+    def _record(self, step, variables, kept, reduced):
+        for variable in variables:
+            step.backend_state.summed.pop(variable.path, None)
+        step.add(variables, kept, reduced)
+
+    def _choose_dense_after(self, variables, grads):
+        return (
+            self.choose_dense
+            and self._deferred is not None
+            and any(
+                isinstance(g, tf.IndexedSlices) and v.path not in self._slots
+                for v, g in zip(variables, grads)
+            )
+        )
+
+    # Slots -------------------------------------------------------------
+
+    def _spec(self, variable, grad):
         sparse = self.sparse and variable.path not in self.dense_paths
-        spec = _spec_of(grad, variable.shape, sparse)
-        partial = strategy.num_replicas_in_sync > 1 and not reduces_in_step(strategy)
-        slot = self._slots.get(variable.path)
-        if (
-            slot is None
-            or slot.spec != spec
-            or slot.strategy is not strategy
-            or slot.partial != partial
-        ):
-            index_dtype = (
-                grad.indices.dtype if isinstance(grad, tf.IndexedSlices) else tf.int64
-            )
-            slot = _Slot(
-                variable.path, spec, variable.shape, strategy, partial, index_dtype
-            )
-            self._slots[variable.path] = slot
-        return slot
+        return _spec_of(grad, variable.shape, sparse)
 
-    def store(self, variables, grads, strategy, every=1):
-        """Writes one step's unscaled gradients; creates missing slots.
+    def _partial(self):
+        strategy = self.strategy
+        return strategy.num_replicas_in_sync > 1 and not reduces_in_step(strategy)
 
-        A slot is only created here when no spec was traced beforehand (e.g.
-        `train_step` called directly); `tf.init_scope` lifts it out of the
-        function being traced. With `every > 1` only steps 1, 1 + every,
-        1 + 2 * every, ... are written (counted by the keeper itself, so
-        skipped loss-scale steps and gradient accumulation count as steps).
+    def _ensure_slots(self, variables, grads):
+        """Makes the slots that `variables` lack, for gradients like `grads`.
+
+        In a replica's step of a `tf.distribute` strategy the slots are
+        made once for all replicas, in its cross-replica context.
+        """
+        strategy, partial = self.strategy, self._partial()
+        missing = []
+        for variable, grad in zip(variables, grads):
+            slot = self._slots.get(variable.path)
+            if slot is None or slot.spec != self._spec(variable, grad):
+                index_dtype = (
+                    grad.indices.dtype if isinstance(grad, tf.IndexedSlices) else tf.int64
+                )
+                missing.append((variable, self._spec(variable, grad), index_dtype))
+        if not missing:
+            return
+
+        def create(*_):
+            for variable, spec, index_dtype in missing:
+                slot = self._slots.get(variable.path)
+                if slot is None or slot.spec != spec:
+                    self._slots[variable.path] = _Slot(
+                        variable.path, spec, variable.shape, strategy, partial, index_dtype
+                    )
+
+        context = tf.distribute.get_replica_context()
+        if tf.distribute.has_strategy() and context is not None:
+            context.merge_call(create)
+        else:
+            create()
+
+    def store(self, variables, grads, step=None):
+        """Writes one `apply`'s unscaled gradients; makes missing slots.
+
+        `tf.init_scope` lifts a slot made here out of the function being
+        traced. With `every > 1` only steps 1, 1 + every, 1 + 2 * every, ...
+        are written (counted by the keeper itself, so skipped loss-scale
+        steps and gradient accumulation count as steps).
 
         Under a strategy each replica writes its own partial gradient, with
         no communication, and reads sum them; across worker processes the
@@ -562,11 +686,11 @@ class GradientKeeper:
             eagerly; none for a sparse slot under `deferring_sparse_writes`).
         """
         _check_unique_paths(variables)
-        reduced = reduces_in_step(strategy)
+        reduced = reduces_in_step(self.strategy)
         if reduced:
             grads = all_reduce_sum(grads)
-        slots = [self._slot_for(v, g, strategy) for v, g in zip(variables, grads)]
-        self.paths = tuple(v.path for v in variables)
+        self._ensure_slots(variables, grads)
+        slots = [self._slots[v.path] for v in variables]
 
         # Under `deferring_sparse_writes`, sparse slots are written later.
         deferred = self._deferred
@@ -577,6 +701,13 @@ class GradientKeeper:
                 deferred.values.append(grad.values)
                 deferred.indices.append(slot.cast_indices(grad.indices))
 
+        if self.every == 1:
+            writes = [
+                slot.assign(grad) if now else []
+                for slot, grad, now in zip(slots, grads, here)
+            ]
+            return grads, reduced, writes
+
         def write():
             for slot, grad, now in zip(slots, grads, here):
                 if now:
@@ -584,20 +715,7 @@ class GradientKeeper:
             self._written.assign(self._step)
             return tf.constant(True)
 
-        if every == 1:
-            writes = [
-                slot.assign(grad) if now else []
-                for slot, grad, now in zip(slots, grads, here)
-            ]
-            return grads, reduced, writes
-        if self._step is None:
-            self._create_step_counter(strategy)
-        wrote = tf.cond(
-            tf.equal(self._step % every, 0), write, lambda: tf.constant(False)
-        )
-        self._step.assign_add(1)
-        if deferred is not None:
-            deferred.wrote = wrote
+        wrote = tf.cond(step.backend_state.write_now, write, lambda: tf.constant(False))
         return grads, reduced, [[wrote]] * len(grads)
 
     @contextlib.contextmanager
@@ -626,9 +744,11 @@ class GradientKeeper:
         """Makes the sparse writes a `deferring_sparse_writes` block collected.
 
         `tensors` is what its `tensors()` returned, passed out of the
-        compiled function. Returns a bool tensor: whether it wrote.
+        compiled function.
         """
         values, indices, wrote = tensors
+        if not self._deferred_slots:
+            return
 
         def write():
             for slot, v, i in zip(self._deferred_slots, values, indices):
@@ -637,8 +757,9 @@ class GradientKeeper:
             return tf.constant(True)
 
         if wrote is None:
-            return write()
-        return tf.cond(wrote, write, lambda: tf.constant(False))
+            write()
+        else:
+            tf.cond(wrote, write, lambda: tf.constant(False))
 
     def last_write(self):
         """`(write, age)`: which write the slots hold, and from how long ago.
@@ -708,7 +829,7 @@ class GradientKeeper:
                 rows = tf.range(tf.shape(value)[0], dtype=slot.indices.dtype)
                 value = tf.IndexedSlices(value, rows, slot.dense_shape)
             slot.assign(value)
-        self.paths = tuple(v.path for v in variables)
+        self.paths = self.trainable_paths = tuple(v.path for v in variables)
 
     def slot_variables(self):
         """Every `tf.Variable` the keeper holds (for tests and saving)."""

@@ -127,7 +127,7 @@ class GradientMonitor(keras.callbacks.Callback):
         )
         self.events = []
         self._steps = _grad_stats.StepCounter()
-        self._new = _grad_stats.NewGradients()
+        self._new = _grad_stats.NewGradients(self)
         self._step = 0
 
     def on_train_begin(self, logs=None):

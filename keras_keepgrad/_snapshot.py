@@ -82,7 +82,7 @@ class GradientSnapshot(keras.callbacks.Callback):
             ) from error
         self.files = []
         self._steps = _grad_stats.StepCounter()
-        self._new = _grad_stats.NewGradients()
+        self._new = _grad_stats.NewGradients(self)
 
     def on_train_begin(self, logs=None):
         _grad_stats.require_kept_gradients(self.model, "GradientSnapshot")

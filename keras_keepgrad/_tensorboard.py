@@ -107,7 +107,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         )
         self.write_heatmap = _checks.check_bool("write_heatmap", write_heatmap)
         self._steps = _grad_stats.StepCounter()
-        self._new = _grad_stats.NewGradients()
+        self._new = _grad_stats.NewGradients(self)
         self._norms = None
         self._heatmap = None
         self._layout_written = False

@@ -22,6 +22,7 @@ import numbers
 import keras
 import tensorflow as tf
 
+from keras_keepgrad import _capture
 from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _grad_stats
@@ -272,6 +273,17 @@ class GradientMetric(keras.metrics.Metric):
                 "wrap it with `keras_keepgrad.keep_gradients(model)`, with "
                 "`keep_gradients=True` (the default), and compile that model "
                 "with this metric."
+            )
+        if not grads and _capture.current_step().expects_gradients:
+            raise ValueError(
+                f"Gradient metric {self.name!r} ({type(self).__name__}) was "
+                "updated in a training step before any optimizer received "
+                "gradients, so there is nothing to measure. In your own "
+                "`train_step`, update the metrics (`self.compute_metrics(...)` "
+                "or `metric.update_state(...)`) after `optimizer.apply(...)`; "
+                "for variables updated without an optimizer, pass the "
+                "gradients through `self.keep_step_gradients(grads, "
+                "variables)` first."
             )
         values, counted = self._measure(grads)
         self._build_state(values)

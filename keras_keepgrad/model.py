@@ -12,6 +12,7 @@ import keras
 import tensorflow as tf
 from keras import tree
 
+from keras_keepgrad import _capture
 from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _keeper
@@ -141,10 +142,9 @@ class KeepGradModel(keras.Model):
         self._save_gradients = save_gradients
         self._keep_every = keep_every
         self._keeper = None
-        # One batch's spec, between `_maybe_symbolic_build` and
-        # `make_train_function`. Held in a namespace: a dict or tuple set on a
-        # Keras layer is wrapped by its tracker, which breaks dict outputs.
-        self._pending = types.SimpleNamespace(data_spec=None, xla_inside_step=False)
+        # True only while `_make_function` wraps an XLA step. Held in a
+        # namespace: a value set on a Keras layer is seen by its tracker.
+        self._pending = types.SimpleNamespace(xla_inside_step=False)
 
     @property
     def keep_gradients(self):
@@ -192,40 +192,29 @@ class KeepGradModel(keras.Model):
     # Training ----------------------------------------------------------
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # `fit`, `train_on_batch` (and `evaluate`) pass the data here before
-        # the training function is made: remember one batch's spec so the
-        # slots can be shaped from a traced gradient computation.
-        if iterator is not None:
+        if iterator is not None and _compat.collective_multi_worker(self.distribute_strategy):
+            # Keras 3.15 pulls a batch and `strategy.reduce`s it, which
+            # fails under `MultiWorkerMirroredStrategy`
+            # (keras-team/keras#20585); one replica's spec builds alike.
             spec = _keeper.replica_spec(_compat.data_spec_from_epoch_iterator(iterator))
-            self._pending.data_spec = spec
-            if self._distribute_strategy is not None and spec is not None:
-                # Keras 3.15 pulls a batch and `strategy.reduce`s it, which
-                # fails under `MultiWorkerMirroredStrategy`
-                # (keras-team/keras#20585); one replica's spec builds alike.
+            if spec is not None:
+                spec = tree.map_structure(_keeper.none_for_none_spec, spec)
                 with self.distribute_strategy.scope():
                     self._symbolic_build(data_batch=spec)
                 return
-        elif data_batch is not None:
-            self._pending.data_spec = tree.map_structure(
-                lambda v: None if v is None else tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)),
-                data_batch,
-            )
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def _make_function(self, step_function):
+        keeping = self._keep_gradients and step_function == self.train_step
+        if keeping:
+            step_function = self._keeping_step(step_function)
         if _compat.collective_multi_worker(self.distribute_strategy):
             step_function = _keeper.with_batch_axis(step_function)
-        if (
-            self._keep_gradients
-            and step_function == self.train_step
-            and self._writes_sparse_after_xla()
-            and self._keeper is not None
-            and self._keeper.has_sparse_slots()
-        ):
+        if keeping and self._writes_sparse_after_xla():
             # Keras compiles its whole step function with XLA. Here XLA
-            # compiles `train_step`, and the sparse slots (whose row count
-            # follows the batch, which an XLA program cannot write) are
-            # written after it, from the rows it returns.
+            # compiles the step, and sparse slots (whose row count follows
+            # the batch, which an XLA program cannot write) are written
+            # after it, from the rows it returns.
             step_function = self._with_sparse_writes_after_xla(step_function)
             self._pending.xla_inside_step = True
             try:
@@ -233,6 +222,17 @@ class KeepGradModel(keras.Model):
             finally:
                 self._pending.xla_inside_step = False
         return super()._make_function(step_function)
+
+    def _keeping_step(self, step_function):
+        """`step_function`, run as a step whose optimizers' gradients are kept."""
+        keeper = self._keeper
+
+        @functools.wraps(step_function)
+        def step(data):
+            with _capture.training_step(self, keeper):
+                return step_function(data)
+
+        return step
 
     def _writes_sparse_after_xla(self):
         """Whether the training step is compiled with XLA and sparse slots
@@ -300,127 +300,90 @@ class KeepGradModel(keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         if self._keep_gradients:
-            self._build_slots()
+            _capture.install()
+            writes_after_xla = self._writes_sparse_after_xla()
+            # Fresh slots, made as the new training function is first
+            # traced, from what its optimizers receive.
+            self._keeper = _keeper.GradientKeeper(
+                self.distribute_strategy,
+                sparse=not self.jit_compile or writes_after_xla,
+                every=self._keep_every,
+                # Under XLA, a sparse gradient that the optimizer's update
+                # densifies anyway (Adam's, for one) is kept dense inside
+                # the compiled step, where XLA computes the dense tensor
+                # once for both; writing the rows after the step would cost
+                # their copy out of it. Only where the sum is shared: every
+                # step written (with `keep_every > 1` the write sits in a
+                # conditional of its own), and no strategy.
+                choose_dense=(
+                    writes_after_xla
+                    and self._distribute_strategy is None
+                    and self._keep_every == 1
+                ),
+            )
             metrics_lib.build_gradient_metrics(self)
         return super().make_train_function(force=force)
 
-    def _build_slots(self):
-        """Fresh zero slots, shaped and typed after a traced gradient step."""
-        spec, self._pending.data_spec = self._pending.data_spec, None
-        if spec is None:
-            # No batch seen yet (e.g. `make_train_function()` called by
-            # hand): the slots are created when the step is first traced,
-            # within XLA if `jit_compile`, and so dense.
-            self._keeper = _keeper.GradientKeeper(sparse=not self.jit_compile)
-            return
-        # Sparse slots exist from here on, so `_make_function` can tell
-        # whether to write them outside XLA.
-        self._keeper = _keeper.GradientKeeper(
-            sparse=not self.jit_compile or self._writes_sparse_after_xla()
-        )
-        # Under XLA, a sparse gradient that the optimizer's update densifies
-        # anyway (Adam's, for one) is kept dense inside the compiled step,
-        # where XLA computes the dense tensor once for both; writing the rows
-        # after the step would cost their copy out of it. Only where the
-        # sum is shared: every step written (with `keep_every > 1` the write
-        # sits in a conditional of its own), and no strategy (there the
-        # optimizer cannot be traced outside `strategy.run`).
-        check_update = (
-            self.jit_compile
-            and self._writes_sparse_after_xla()
-            and self._distribute_strategy is None
-            and self.optimizer is not None
-            and self._keep_every == 1
-        )
-        densified = set()
-        strategy = self.distribute_strategy
-        with strategy.scope():
-            unbuilt = not all(layer.built for layer in self._flatten_layers())
-            if unbuilt or (self.optimizer is not None and not self.optimizer.built):
-                self._symbolic_build(data_batch=spec)
-        variables = list(self.trainable_variables)
-        if not variables:
-            self._keeper.rebuild([], [], strategy)  # `gradients` reads {}
-            return
+    def keep_step_gradients(self, grads, variables):
+        """Keeps gradients that a training step applies without an optimizer.
 
-        @tf.function(autograph=False)
-        def traced_gradients(data):
-            kept, grads, _ = self._unscaled_gradients(data, variables, track_loss=False)
-            if check_update and any(isinstance(g, tf.IndexedSlices) for g in kept):
-                # Traced only, never run: the update's ops show what it
-                # does with each gradient. Its warnings repeat the real
-                # step's. This only chooses the faster storage, so an update
-                # that cannot be traced here leaves the rows (the real step
-                # then raises, or not, as it would in plain Keras).
-                try:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        self.optimizer.apply_gradients(zip(grads, variables))
-                except Exception:
-                    return kept
-                graph = tf.compat.v1.get_default_graph()
-                densified.update(_keeper.densified_in(graph, kept, variables))
-            return kept
+        Call it from your own `train_step`, for variables that you update by
+        hand: `grads` are kept as given, with the semantics of the
+        gradients an optimizer receives (a None gradient is kept as zeros,
+        sparse ones densified on read), and are in `model.gradients` and
+        the gradient metrics of this step. Use the returned gradients for
+        the update, so that each slot is written before its variable
+        changes.
 
-        grads = traced_gradients.get_concrete_function(spec).structured_outputs
-        self._keeper.dense_paths = frozenset(densified)
-        self._keeper.rebuild(variables, grads, strategy)
+        Args:
+            grads: List of gradient tensors (or None), one per variable.
+            variables: List of the variables they are gradients of.
 
-    def _unscaled_gradients(self, data, variables, track_loss=True):
-        """Forward, loss, scaled loss, tape; as Keras 3.15's TF `train_step`.
+        Returns:
+            The list of gradients, to update the variables with.
 
-        Returns the unscaled gradients to keep, the raw ones for the
-        optimizer, and what `compute_metrics` needs.
+        Raises:
+            RuntimeError: Called outside this model's training step, or the
+                model keeps no gradients.
+            ValueError: `grads` and `variables` differ in length.
+
+        Example:
+
+        ```python
+        class Net(kg.KeepGradModel):
+            def train_step(self, data):
+                x, y = data
+                with tf.GradientTape() as tape:
+                    loss = keras.ops.mean((self(x) - y) ** 2)
+                variables = self.trainable_variables
+                grads = self.keep_step_gradients(
+                    tape.gradient(loss, variables), variables)
+                for v, g in zip(variables, grads):
+                    v.assign_sub(0.1 * g)
+                return {"loss": loss}
+        ```
         """
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        with tf.GradientTape() as tape:
-            if self._call_has_training_arg:
-                y_pred = self(x, training=True)
-            else:
-                y_pred = self(x)
-            loss = self._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-            )
-            if track_loss:
-                self._loss_tracker.update_state(
-                    _compat.unscale_loss_for_distribution(loss),
-                    sample_weight=tf.shape(
-                        next(i for i in tree.flatten(x) if i is not None)
-                    )[0],
-                )
-            if self.optimizer is not None:
-                loss = self.optimizer.scale_loss(loss)
-        grads = tape.gradient(loss, variables)
-        kept = _keeper.unscale(self.optimizer, variables, grads)
-        return kept, grads, (x, y, y_pred, sample_weight)
-
-    def train_step(self, data):
+        grads, variables = list(grads), list(variables)
+        step = _capture.current_step()
         if not self._keep_gradients:
-            return super().train_step(data)
-        if self._keeper is None:
-            self._keeper = _keeper.GradientKeeper(sparse=not self.jit_compile)
-        variables = list(self.trainable_weights)
-        if not variables:
-            # As Keras: warn, skip the update, still report metrics.
-            warnings.warn("The model does not have any trainable weights.")
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-            y_pred = self(x, training=True) if self._call_has_training_arg else self(x)
-            with _keeper.step_gradients({}, {}):
-                return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        kept, grads, (x, y, y_pred, sample_weight) = self._unscaled_gradients(
-            data, variables
-        )
-        kept, reduced, writes = self._keeper.store(
-            variables, kept, self.distribute_strategy, every=self._keep_every
-        )
-        grads = _keeper.after(writes, grads)
-        grads = _keeper.agree_on_skip(self.optimizer, grads)
-        self.optimizer.apply_gradients(zip(grads, variables))
-        flat = {v.path: g for v, g in zip(variables, kept)}
-        with _keeper.step_gradients(
-            flat, {v.path: v for v in variables}, reduced=reduced
-        ):
-            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            raise RuntimeError(
+                f"Model {self.name!r} does not keep gradients, so "
+                "`keep_step_gradients()` has nothing to keep them in. Build "
+                "it with `keep_gradients=True`."
+            )
+        if step is None or step.model is not self:
+            raise RuntimeError(
+                "`keep_step_gradients()` keeps the gradients of a training "
+                f"step of model {self.name!r}: call it from its `train_step` "
+                "(run by `fit` or `train_on_batch`)."
+            )
+        if len(grads) != len(variables):
+            raise ValueError(
+                "`grads` and `variables` must have one entry per variable. "
+                f"Received: {len(grads)} gradients for {len(variables)} "
+                "variables."
+            )
+        return step.keeper.keep_given(step, variables, grads)
 
     # Gradient metrics (`keras_keepgrad.metrics`) skip evaluation steps.
     test_step = _marking_evaluation(keras.Model.test_step)
@@ -459,16 +422,19 @@ class KeepGradModel(keras.Model):
                 "`keep_gradients=True` (or set `model.keep_gradients = True` "
                 "and train again)."
             )
-        if self._keeper is None or not self._keeper.built:
+        keeper = self._keeper
+        if keeper is None or not keeper.built:
             raise RuntimeError(
                 f"Model {self.name!r} has no kept gradients yet: train it first "
-                "(`fit` or `train_on_batch`); from the start of `fit` they "
-                "read as zeros."
+                "(`fit` or `train_on_batch`); they are there from the end of "
+                "the first training step."
             )
+        if keeper.kept_nothing:
+            raise RuntimeError(_capture.nothing_kept_message(self))
         current = tuple(v.path for v in self.trainable_variables)
-        if current != self._keeper.paths:
-            added = sorted(set(current) - set(self._keeper.paths))
-            removed = sorted(set(self._keeper.paths) - set(current))
+        if current != keeper.trainable_paths:
+            added = sorted(set(current) - set(keeper.trainable_paths))
+            removed = sorted(set(keeper.trainable_paths) - set(current))
             raise RuntimeError(
                 "The kept gradients are stale: the trainable variables changed "
                 "since the training function was built (now trainable: "

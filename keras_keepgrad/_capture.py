@@ -1,0 +1,160 @@
+"""Which gradients the optimizers receive in a training step.
+
+Backend-neutral. While a `KeepGradModel`'s training step runs (or is
+traced), `training_step` makes it the current step of this thread, and
+every optimizer's `apply` (which `apply_gradients` calls) hands its
+gradients to the step's keeper before it proceeds exactly as Keras would.
+So whoever wrote the step, Keras or the user, and however many optimizers
+it uses, the gradients each one receives are kept. Outside such a step the
+wrapped `apply` is Keras's own.
+
+An optimizer that calls another's `apply` (a `LossScaleOptimizer` calling
+its inner optimizer) is captured once, at the outermost call: what the
+user's step handed over.
+"""
+
+import contextlib
+import functools
+import threading
+
+import keras
+
+__all__ = [
+    "Step",
+    "current_step",
+    "install",
+    "nothing_kept_message",
+    "training_step",
+]
+
+_local = threading.local()
+
+
+class Step:
+    """One training step's kept gradients, as the optimizers receive them.
+
+    Args:
+        model: The `KeepGradModel` whose step this is.
+        keeper: The backend's keeper: `keep_from_optimizer` stores one
+            `apply`'s gradients, `begin_step` / `end_step` bracket the
+            step.
+
+    Attributes:
+        grads: `{variable path: kept gradient}` of the `apply` calls so
+            far in this step, in call order.
+        variables: `{variable path: variable}`, likewise.
+        reduced: Whether `grads` are already the global-batch gradients
+            (always, but on some replicas of a `tf.distribute` strategy).
+        expects_gradients: Whether the model has trainable variables, so
+            that a step with nothing kept is a mistake rather than a model
+            with nothing to train.
+    """
+
+    def __init__(self, model, keeper):
+        self.model = model
+        self.keeper = keeper
+        self.grads = {}
+        self.variables = {}
+        self.reduced = True
+        self.expects_gradients = bool(model.trainable_variables)
+        self.applying = False
+        self.backend_state = None
+
+    def add(self, variables, grads, reduced):
+        """Records one `apply`'s kept gradients."""
+        for variable, grad in zip(variables, grads):
+            self.grads[variable.path] = grad
+            self.variables[variable.path] = variable
+        self.reduced = self.reduced and reduced
+
+
+def current_step():
+    """The `Step` being run or traced on this thread, else None."""
+    return getattr(_local, "step", None)
+
+
+@contextlib.contextmanager
+def training_step(model, keeper):
+    """Runs the block as `model`'s training step; yields the `Step`."""
+    step = Step(model, keeper)
+    previous = current_step()
+    _local.step = step
+    try:
+        keeper.begin_step(step)
+        yield step
+        keeper.end_step(step)
+    finally:
+        _local.step = previous
+
+
+def nothing_kept_message(model):
+    """Says that `model`'s training step kept nothing, and how to fix it."""
+    return (
+        f"The training step of model {model.name!r} passed no gradients to "
+        "an optimizer, so no gradients were kept (the slots would only hold "
+        "placeholders). Update the variables with `optimizer.apply(grads, "
+        "variables)` or `optimizer.apply_gradients(...)` in `train_step`, "
+        "or, to update them by hand, pass the gradients through "
+        "`self.keep_step_gradients(grads, variables)` first."
+    )
+
+
+def _capturing(apply):
+    """`apply` of an optimizer class, wrapped to hand gradients over first."""
+
+    @functools.wraps(apply)
+    def capturing_apply(optimizer, grads, trainable_variables=None):
+        step = current_step()
+        if step is None or step.applying:
+            return apply(optimizer, grads, trainable_variables)
+        grads = list(grads)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+            variables = trainable_variables
+        elif optimizer.built:
+            variables = list(optimizer._trainable_variables)
+        else:
+            # Keras raises its own error for this.
+            return apply(optimizer, grads, trainable_variables)
+        if not grads:
+            return apply(optimizer, grads, trainable_variables)
+
+        def run(grads):
+            step.applying = True
+            try:
+                return apply(optimizer, grads, trainable_variables)
+            finally:
+                step.applying = False
+
+        return step.keeper.keep_from_optimizer(step, optimizer, variables, grads, run)
+
+    capturing_apply._keepgrad_original = apply
+    return capturing_apply
+
+
+_install_lock = threading.Lock()
+
+
+def install():
+    """Wraps `apply` of every optimizer class defined so far (idempotent).
+
+    Called whenever a `KeepGradModel` builds its training function, so
+    that optimizer classes defined after an earlier call (a user's own,
+    overriding `apply`) are wrapped too.
+    """
+    with _install_lock:
+        pending = [keras.optimizers.Optimizer]
+        base = next(
+            c for c in keras.optimizers.Optimizer.__mro__ if "apply" in vars(c)
+        )
+        pending.append(base)
+        seen = set()
+        while pending:
+            cls = pending.pop()
+            if cls in seen:
+                continue
+            seen.add(cls)
+            pending.extend(cls.__subclasses__())
+            apply = vars(cls).get("apply")
+            if apply is not None and not hasattr(apply, "_keepgrad_original"):
+                cls.apply = _capturing(apply)
