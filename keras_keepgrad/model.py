@@ -52,6 +52,26 @@ def _user_stacklevel():
     return level
 
 
+def _keeping(train_step):
+    """`train_step`, run as a step whose optimizers' gradients are kept.
+
+    A step that calls another (`super().train_step(data)`) is one step.
+    """
+
+    @functools.wraps(train_step)
+    def keeping(self, data):
+        step = _capture.current_step()
+        if not self._keep_gradients or (step is not None and step.model is self):
+            return train_step(self, data)
+        if self._keeper is None:
+            self._keeper = self._new_keeper()
+        with _capture.training_step(self, self._keeper):
+            return train_step(self, data)
+
+    keeping._keeps = True
+    return keeping
+
+
 def _marking_evaluation(test_step):
     """`test_step`, run as an evaluation step (`_keeper.evaluation_step`)."""
 
@@ -206,8 +226,6 @@ class KeepGradModel(keras.Model):
 
     def _make_function(self, step_function):
         keeping = self._keep_gradients and step_function == self.train_step
-        if keeping:
-            step_function = self._keeping_step(step_function)
         if _compat.collective_multi_worker(self.distribute_strategy):
             step_function = _keeper.with_batch_axis(step_function)
         if keeping and self._writes_sparse_after_xla():
@@ -223,16 +241,26 @@ class KeepGradModel(keras.Model):
                 self._pending.xla_inside_step = False
         return super()._make_function(step_function)
 
-    def _keeping_step(self, step_function):
-        """`step_function`, run as a step whose optimizers' gradients are kept."""
-        keeper = self._keeper
-
-        @functools.wraps(step_function)
-        def step(data):
-            with _capture.training_step(self, keeper):
-                return step_function(data)
-
-        return step
+    def _new_keeper(self):
+        """A keeper with no slots yet, set up for how the model trains."""
+        writes_after_xla = self._writes_sparse_after_xla()
+        return _keeper.GradientKeeper(
+            self.distribute_strategy,
+            sparse=not self.jit_compile or writes_after_xla,
+            every=self._keep_every,
+            # Under XLA, a sparse gradient that the optimizer's update
+            # densifies anyway (Adam's, for one) is kept dense inside the
+            # compiled step, where XLA computes the dense tensor once for
+            # both; writing the rows after the step would cost their copy
+            # out of it. Only where the sum is shared: every step written
+            # (with `keep_every > 1` the write sits in a conditional of its
+            # own), and no strategy.
+            choose_dense=(
+                writes_after_xla
+                and self._distribute_strategy is None
+                and self._keep_every == 1
+            ),
+        )
 
     def _writes_sparse_after_xla(self):
         """Whether the training step is compiled with XLA and sparse slots
@@ -301,26 +329,9 @@ class KeepGradModel(keras.Model):
             return self.train_function
         if self._keep_gradients:
             _capture.install()
-            writes_after_xla = self._writes_sparse_after_xla()
             # Fresh slots, made as the new training function is first
             # traced, from what its optimizers receive.
-            self._keeper = _keeper.GradientKeeper(
-                self.distribute_strategy,
-                sparse=not self.jit_compile or writes_after_xla,
-                every=self._keep_every,
-                # Under XLA, a sparse gradient that the optimizer's update
-                # densifies anyway (Adam's, for one) is kept dense inside
-                # the compiled step, where XLA computes the dense tensor
-                # once for both; writing the rows after the step would cost
-                # their copy out of it. Only where the sum is shared: every
-                # step written (with `keep_every > 1` the write sits in a
-                # conditional of its own), and no strategy.
-                choose_dense=(
-                    writes_after_xla
-                    and self._distribute_strategy is None
-                    and self._keep_every == 1
-                ),
-            )
+            self._keeper = self._new_keeper()
             metrics_lib.build_gradient_metrics(self)
         return super().make_train_function(force=force)
 
@@ -385,13 +396,17 @@ class KeepGradModel(keras.Model):
             )
         return step.keeper.keep_given(step, variables, grads)
 
-    # Gradient metrics (`keras_keepgrad.metrics`) skip evaluation steps.
+    # Whoever wrote `train_step`, it runs as a step whose optimizers'
+    # gradients are kept; gradient metrics skip evaluation steps.
+    train_step = _keeping(keras.Model.train_step)
     test_step = _marking_evaluation(keras.Model.test_step)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        # A subclass's own `test_step` is marked as evaluation too, or the
-        # gradient metrics it updates would raise in `evaluate`.
+        # A subclass's own steps are wrapped alike.
+        step = vars(cls).get("train_step")
+        if step is not None and not getattr(step, "_keeps", False):
+            cls.train_step = _keeping(step)
         step = vars(cls).get("test_step")
         if step is not None and not getattr(step, "_marks_evaluation", False):
             cls.test_step = _marking_evaluation(step)
