@@ -21,6 +21,7 @@ __all__ = [
     "TensorFlowTrainer",
     "check_backend",
     "compile_arguments",
+    "compiled_metrics_as_passed",
     "collective_multi_worker",
     "data_spec_from_epoch_iterator",
     "functional_init_arguments",
@@ -64,6 +65,22 @@ def compile_arguments(model):
     optimizer and lose its state).
     """
     return dict(model._compile_config.config)
+
+
+def compiled_metrics_as_passed(model):
+    """The `metrics` and `weighted_metrics` given to `compile`, unbuilt.
+
+    Keras 3.15's `CompileMetrics` lists its metric objects only once it is
+    built, in the first training step (without a strategy); until then it
+    keeps them, as passed, in `_user_metrics` / `_user_weighted_metrics`.
+    """
+    compiled = getattr(model, "_compile_metrics", None)
+    if compiled is None:
+        return []
+    return [
+        getattr(compiled, "_user_metrics", None) or [],
+        getattr(compiled, "_user_weighted_metrics", None) or [],
+    ]
 
 
 def data_spec_from_epoch_iterator(epoch_iterator):

@@ -641,8 +641,10 @@ class UpdateRatio(_PerLayerMixin, GradientMetric):
 
 def _gradient_metrics(model):
     found = []
-    for metric in model.metrics:
-        # `CompileMetrics` holds the metrics passed to `compile`.
+    # `CompileMetrics` holds the metrics passed to `compile`: once built in
+    # its `metrics`, before that only as they were passed.
+    passed = keras.tree.flatten(_compat.compiled_metrics_as_passed(model))
+    for metric in [*model.metrics, *passed]:
         for m in [metric, *getattr(metric, "metrics", ())]:
             if isinstance(m, GradientMetric) and not any(m is f for f in found):
                 found.append(m)

@@ -725,3 +725,12 @@ def keep_gradients(model, **options):
             config["optimizer"] = model.optimizer
             kept.compile(**config)
     return kept
+
+
+# Keras's legacy `.h5` format records a model's bare class name, and its
+# loader looks that up among the global custom objects (not the
+# package-qualified names registered above): so `load_model("m.h5")` finds
+# these classes without `custom_objects`, as it finds Keras's own.
+for _cls in (KeepGradModel, FunctionalKeepGradModel, WrappedKeepGradModel):
+    keras.saving.get_custom_objects().setdefault(_cls.__name__, _cls)
+del _cls

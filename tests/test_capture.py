@@ -1,0 +1,437 @@
+"""Keeping from any training step: the user's own `train_step`, several
+optimizers, updates without an optimizer, and the steps that keep nothing.
+
+The numbers are the one-weight model's (conftest.py): w = 3, x = [[1], [2]],
+y = 0, mse, so the gradient is 5w = 15 and SGD(0.1) makes w = 1.5.
+"""
+
+import os
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import MODES
+from conftest import W0
+from conftest import X
+from conftest import Y
+from conftest import dense_0
+
+import keras_keepgrad as kg
+
+
+def kernel(model, name="dense_0"):
+    return float(model.gradients[name]["kernel"][0, 0])
+
+
+class GuideStep(kg.KeepGradModel):
+    """The first custom step of Keras's "Customizing what happens in fit()"
+    guide: its own tape, `self.optimizer.apply`, the compiled loss, and a
+    loop over `self.metrics`."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+            scaled = self.optimizer.scale_loss(loss)
+        trainable_vars = self.trainable_variables
+        gradients = tape.gradient(scaled, trainable_vars)
+        self.optimizer.apply(gradients, trainable_vars)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def guide_model(cls=GuideStep, dtype=None):
+    inputs = keras.Input((1,))
+    return cls(inputs, dense_0(dtype=dtype)(inputs))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "loss_scale"])
+def test_the_guides_own_step_keeps_5w(mode, optimizer):
+    model = guide_model()
+    opt = keras.optimizers.SGD(0.1)
+    if optimizer == "loss_scale":
+        # The step scales the loss itself (`optimizer.scale_loss`): kept
+        # gradients are divided by the same scale, 1024.
+        opt = keras.optimizers.LossScaleOptimizer(opt, initial_scale=1024.0)
+    model.compile(optimizer=opt, loss="mse",
+                  metrics=[kg.metrics.GradientNorm(), "mae"], **mode)
+    history = model.fit(np.tile(X, (2, 1)), np.tile(Y, (2, 1)), batch_size=2,
+                        epochs=1, shuffle=False, verbose=0)
+    # Two steps: 5w at w = 3 then at w = 1.5; the norm metric averages them.
+    assert history.history["grad_norm"] == [(15.0 + 7.5) / 2]
+    assert kernel(model) == 7.5
+    w = float(model.get_weights()[0][0, 0])
+    assert w == 0.75  # 1.5 - 0.1 * 7.5: what the optimizer received, 7.5
+    assert model.gradient_dtypes == {"dense_0/kernel": tf.float32}
+
+
+def test_the_guides_step_under_mixed_float16_keeps_unscaled_float32():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = guide_model()
+    # A scale small enough that the float16 forward values 3 x * scale stay
+    # finite (Keras's default 32768 overflows them, and skips the step).
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=1024.0)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
+    # float16 gradients divided by the float32 dynamic scale are float32.
+    assert model.gradient_dtypes == {"dense_0/kernel": tf.float32}
+    assert kernel(model) == 15.0
+
+
+class OneWeightGAN(kg.KeepGradModel):
+    """The DCGAN shape on one weight each: no `call()`, `compile` of its own
+    taking two optimizers, two tapes, two `apply_gradients`.
+
+    G(z) = g z and D(x) = d x, with d = 3, g = 2, real x = [[1], [2]] and
+    z = [[1], [1]] (the data's second element, so that the step is exact).
+    """
+
+    def __init__(self, penalty=0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.penalty = penalty
+        self.discriminator = keras.Sequential(
+            [keras.Input((1,)), dense_0(name="d")], name="discriminator"
+        )
+        self.generator = keras.Sequential(
+            [keras.Input((1,)), dense_0(name="g", w=2.0)], name="generator"
+        )
+
+    def compile(self, d_optimizer, g_optimizer, **kwargs):
+        super().compile(**kwargs)
+        self.d_optimizer = d_optimizer
+        self.g_optimizer = g_optimizer
+
+    def train_step(self, data):
+        real, z = data
+        with tf.GradientTape() as tape:
+            fake = self.generator(z)
+            d_loss = tf.reduce_mean((self.discriminator(real) - 1.0) ** 2)
+            d_loss += tf.reduce_mean(self.discriminator(fake) ** 2)
+            if self.penalty:
+                # WGAN-GP: the discriminator's input gradient on points
+                # between real and fake, from an inner tape that no
+                # optimizer sees.
+                mixed = 0.5 * real + 0.5 * fake
+                with tf.GradientTape() as inner:
+                    inner.watch(mixed)
+                    score = self.discriminator(mixed)
+                slopes = tf.norm(inner.gradient(score, mixed), axis=1)
+                d_loss += self.penalty * tf.reduce_mean((slopes - 1.0) ** 2)
+        d_vars = self.discriminator.trainable_variables
+        self.d_optimizer.apply_gradients(zip(tape.gradient(d_loss, d_vars), d_vars))
+        with tf.GradientTape() as tape:
+            g_loss = tf.reduce_mean((self.discriminator(self.generator(z)) - 1.0) ** 2)
+        g_vars = self.generator.trainable_variables
+        self.g_optimizer.apply(tape.gradient(g_loss, g_vars), g_vars)
+        return {"d_loss": d_loss, "g_loss": g_loss}
+
+
+@pytest.mark.parametrize("penalty", [0.0, 1.0])
+def test_a_gan_keeps_what_each_of_its_optimizers_receives(mode, penalty):
+    gan = OneWeightGAN(penalty=penalty)
+    gan.compile(
+        d_optimizer=keras.optimizers.SGD(0.03125),
+        g_optimizer=keras.optimizers.SGD(0.5),
+        **mode,
+    )
+    z = np.ones((2, 1), "float32")
+    gan.fit(X, z, batch_size=2, verbose=0)
+    # D: mean(2 (d x - 1) x) + mean(2 d (g z)^2) = 2 mean(2, 10) + 6 * 4 = 36.
+    # The penalty: every slope is |d| = 3, so (3 - 1)^2 and d/dd 2 (3 - 1) = 4.
+    d_grad = 36.0 + 4.0 * penalty
+    assert gan.gradients["discriminator"]["d"]["kernel"].numpy() == [[d_grad]]
+    d_new = 3.0 - 0.03125 * d_grad  # 1.875, or 1.75 with the penalty
+    assert float(gan.discriminator.get_weights()[0][0, 0]) == d_new
+    # G, against the updated D: 2 (d' g - 1) d' at g = 2.
+    g_grad = 2.0 * (2.0 * d_new - 1.0) * d_new  # 10.3125, or 8.75
+    assert gan.gradients["generator"]["g"]["kernel"].numpy() == [[g_grad]]
+    assert float(gan.generator.get_weights()[0][0, 0]) == 2.0 - 0.5 * g_grad
+    # One `model.gradients` for both optimizers, nothing else in it.
+    assert sorted(gan.get_gradients_by_path()) == [
+        "discriminator/d/kernel", "generator/g/kernel"]
+
+
+def test_a_gans_gradients_reach_the_callbacks_and_agree_with_a_tape(tmp_path):
+    gan = OneWeightGAN(penalty=1.0)
+    gan.compile(d_optimizer=keras.optimizers.SGD(0.03125),
+                g_optimizer=keras.optimizers.SGD(0.5))
+    z = np.ones((2, 1), "float32")
+    # An independent reference: the discriminator's loss on the same batch.
+    d = tf.Variable(3.0)
+    with tf.GradientTape() as tape:
+        fake = 2.0 * z
+        loss = tf.reduce_mean((d * X - 1.0) ** 2) + tf.reduce_mean((d * fake) ** 2)
+        mixed = 0.5 * X + 0.5 * fake
+        loss += tf.reduce_mean((tf.abs(d) * tf.ones_like(mixed) - 1.0) ** 2)
+    reference = float(tape.gradient(loss, d))
+    snapshot = kg.callbacks.GradientSnapshot(str(tmp_path / "s{step}.npz"), every=1)
+    gan.fit(X, z, batch_size=2, verbose=0, callbacks=[snapshot])
+    with np.load(tmp_path / "s1.npz") as saved:
+        assert float(saved["discriminator/d/kernel"][0, 0]) == reference == 40.0
+        assert float(saved["generator/g/kernel"][0, 0]) == 8.75
+
+
+class AddLossDense(keras.layers.Layer):
+    """y = w x, adding 0.5 w^2 to the loss (as a VAE adds its KL term)."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(
+            shape=(1, 1), initializer=keras.initializers.Constant(W0), name="kernel"
+        )
+
+    def call(self, x):
+        self.add_loss(0.5 * keras.ops.sum(self.kernel**2))
+        return keras.ops.matmul(x, self.kernel)
+
+
+class VAEStep(kg.KeepGradModel):
+    """A VAE-style step: the reconstruction loss plus `self.losses`."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = tf.reduce_mean((y_pred - y) ** 2) + tf.add_n(self.losses)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("own_step", [False, True])
+def test_add_loss_terms_are_in_the_kept_gradient(own_step):
+    inputs = keras.Input((1,))
+    outputs = AddLossDense(name="dense_0")(inputs)
+    cls = VAEStep if own_step else kg.KeepGradModel
+    model = cls(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=None if own_step else "mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
+    # d/dw [mean((w x)^2) + 0.5 w^2] = 5w + w = 18.
+    assert kernel(model) == 18.0
+    assert float(model.get_weights()[0][0, 0]) == pytest.approx(W0 - 0.1 * 18.0, rel=1e-6)
+
+
+class HandUpdate(kg.KeepGradModel):
+    """Updates its variables by hand, keeping the gradients it uses."""
+
+    def __init__(self, *args, keep=True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.keep = keep
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((self(x) - y) ** 2)
+        variables = self.trainable_variables
+        grads = tape.gradient(loss, variables)
+        if self.keep:
+            grads = self.keep_step_gradients(grads, variables)
+        for variable, grad in zip(variables, grads):
+            variable.assign_sub(0.1 * grad)
+        return {"loss": loss}
+
+
+def hand_update(keep=True):
+    inputs = keras.Input((1,))
+    return HandUpdate(inputs, dense_0()(inputs), keep=keep)
+
+
+def test_keep_step_gradients_keeps_an_update_without_an_optimizer(mode):
+    model = hand_update()
+    model.compile(loss="mse", **mode)
+    model.fit(np.tile(X, (2, 1)), np.tile(Y, (2, 1)), batch_size=2,
+              shuffle=False, verbose=0)
+    assert kernel(model) == 7.5  # the second step's 5w at w = 1.5
+    assert float(model.get_weights()[0][0, 0]) == 0.75
+
+
+def test_keep_step_gradients_outside_a_training_step_raises():
+    model = hand_update()
+    variables = model.trainable_variables
+    with pytest.raises(RuntimeError, match="call it from its `train_step`"):
+        model.keep_step_gradients([tf.ones((1, 1))], variables)
+    with pytest.raises(RuntimeError, match="does not keep gradients"):
+        inputs = keras.Input((1,))
+        HandUpdate(inputs, dense_0()(inputs), keep_gradients=False).keep_step_gradients(
+            [tf.ones((1, 1))], variables)
+
+
+def test_a_step_that_keeps_nothing_says_so_everywhere(tmp_path):
+    model = hand_update(keep=False)
+    model.compile(loss="mse")
+    snapshot = kg.callbacks.GradientSnapshot(str(tmp_path / "s{step}.npz"), every=1)
+    with pytest.warns(UserWarning, match="passed no gradients to an optimizer") as seen:
+        model.fit(np.tile(X, (2, 1)), np.tile(Y, (2, 1)), batch_size=2, verbose=0,
+                  callbacks=[snapshot])
+    assert len(seen) == 1  # once, not at every step
+    assert list(tmp_path.iterdir()) == []  # no file of placeholders
+    with pytest.raises(RuntimeError, match="keep_step_gradients"):
+        model.gradients
+    # The update itself ran, as in a plain model: 3 - 0.1 * 15 - 0.1 * 7.5.
+    assert float(model.get_weights()[0][0, 0]) == 0.75
+
+
+def test_a_gradient_metric_in_a_step_that_keeps_nothing_raises():
+    # The compiled metrics are updated without any kept gradient.
+    class Updating(HandUpdate):
+        def train_step(self, data):
+            logs = super().train_step(data)
+            self.compute_metrics(data[0], data[1], self(data[0]))
+            return logs
+
+    inputs = keras.Input((1,))
+    model = Updating(inputs, dense_0()(inputs), keep=False)
+    model.compile(loss="mse", metrics=[kg.metrics.GradientNorm()])
+    with pytest.raises(ValueError, match="after `optimizer.apply"):
+        model.fit(X, Y, batch_size=2, verbose=0)
+
+
+def test_variables_no_optimizer_receives_are_absent_with_a_warning():
+    class HeadOnly(kg.KeepGradModel):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((self(x) - y) ** 2)
+            head = [v for v in self.trainable_variables if "head" in v.path]
+            self.optimizer.apply(tape.gradient(loss, head), head)
+            return {"loss": loss}
+
+    inputs = keras.Input((1,))
+    hidden = dense_0(name="body", w=1.0)(inputs)
+    model = HeadOnly(inputs, dense_0(name="head")(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    with pytest.warns(UserWarning, match=r"\['body/kernel'\] to any optimizer"):
+        model.fit(X, Y, batch_size=2, verbose=0)
+    # d/dh mean((h b x)^2) = 2 h b^2 mean(x^2) = 2 * 3 * 2.5 = 15; no body entry.
+    assert list(model.get_gradients_by_path()) == ["head/kernel"]
+    assert kernel(model, "head") == 15.0
+
+
+def test_a_none_gradient_an_optimizer_receives_is_kept_as_zeros():
+    class WithUnused(kg.KeepGradModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = dense_0()
+            self.unused = keras.layers.Dense(1, name="unused")
+
+        def build(self, input_shape):
+            self.dense.build(input_shape)
+            self.unused.build(input_shape)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = WithUnused(name="net")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with warnings.catch_warnings():
+        # Keras warns that the optimizer got no gradient for `unused`.
+        warnings.filterwarnings("ignore", message="Gradients do not exist")
+        model.fit(X, Y, batch_size=2, verbose=0)
+    grads = model.get_gradients_by_path()
+    assert float(grads["net/dense_0/kernel"][0, 0]) == 15.0
+    np.testing.assert_array_equal(grads["net/unused/kernel"], [[0.0]])
+
+
+def test_nested_train_step_calls_are_one_step():
+    class Calling(kg.KeepGradModel):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    inputs = keras.Input((1,))
+    model = Calling(inputs, dense_0()(inputs), keep_every=2)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(np.tile(X, (3, 1)), np.tile(Y, (3, 1)), batch_size=2,
+              shuffle=False, verbose=0)
+    # Steps 1 and 3 written (w = 3, then 0.75), counted once per step.
+    assert kernel(model) == 3.75
+
+
+# --- what plain Keras trains, KeepGradModel trains alike --------------------
+
+
+def test_fit_inside_the_strategy_scope():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        inputs = keras.Input((1,))
+        model = kg.KeepGradModel(inputs, dense_0()(inputs))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(X, Y, batch_size=2, verbose=0)
+    assert kernel(model) == 15.0
+
+
+def optional_input_model(cls):
+    a = keras.Input((1,), name="a")
+    b = keras.Input((1,), name="b", optional=True)
+
+    class AddOptional(keras.layers.Layer):
+        def call(self, a, b=None):
+            return a if b is None else a + b
+
+    out = dense_0()(AddOptional()(a, b))
+    return cls({"a": a, "b": b}, out)
+
+
+@pytest.mark.parametrize("source", ["arrays", "generator"])
+def test_an_optional_input_fed_none(source):
+    model = optional_input_model(kg.KeepGradModel)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    if source == "arrays":
+        model.fit({"a": X, "b": None}, Y, batch_size=2, verbose=0)
+    else:
+        def batches():
+            while True:
+                yield {"a": X, "b": None}, Y
+
+        model.fit(batches(), steps_per_epoch=1, shuffle=False, verbose=0)
+    assert kernel(model) == 15.0
+
+
+def test_a_required_input_fed_none_raises_as_in_keras():
+    errors = []
+    for cls in (keras.Model, kg.KeepGradModel):
+        a, b = keras.Input((1,), name="a"), keras.Input((1,), name="b")
+        model = cls({"a": a, "b": b}, dense_0()(keras.layers.Add()([a, b])))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        with pytest.raises(ValueError) as error:
+            model.fit({"a": X, "b": None}, Y, batch_size=2, verbose=0)
+        errors.append(str(error.value))
+    assert errors[0] == errors[1]
+
+
+def test_legacy_h5_save_and_load(tmp_path):
+    inputs = keras.Input((1,))
+    model = kg.KeepGradModel(inputs, dense_0()(inputs), keep_every=2)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
+    path = str(tmp_path / "m.h5")
+    model.save(path)
+    # `compile=False`: Keras 3.15 cannot restore a compiled "mse" from a
+    # legacy file for a plain model either.
+    loaded = keras.saving.load_model(path, compile=False)
+    assert type(loaded) is type(model)
+    assert loaded.keep_every == 2
+    np.testing.assert_array_equal(loaded.get_weights()[0], [[1.5]])
+
+
+def test_nothing_trainable_logs_the_real_loss():
+    losses = []
+    for cls in (keras.Model, kg.KeepGradModel):
+        inputs = keras.Input((1,))
+        layer = dense_0()
+        layer.trainable = False
+        model = cls(inputs, layer(inputs))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      metrics=[kg.metrics.GradientNorm()] if cls is not keras.Model else [])
+        with pytest.warns(UserWarning, match="does not have any trainable weights"):
+            history = model.fit(X, Y, batch_size=2, verbose=0)
+        losses.append(history.history["loss"])
+    # mean((3 x)^2) = 9 * 2.5.
+    assert losses == [[22.5], [22.5]]
+    assert model.gradients == {}
