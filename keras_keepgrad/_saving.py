@@ -178,7 +178,7 @@ class KeptGradientsState(KerasSaveable):
         _check_saved_gradients(model, variables, saved)
         keeper = model._keeper
         if keeper is None:
-            keeper = model._keeper = _keeper.GradientKeeper(sparse=not model.jit_compile)
+            keeper = model._keeper = model._new_keeper()
         arrays = {v.path: saved[i][1] for i, v in enumerate(variables)}
         keeper.restore(variables, arrays, model.distribute_strategy)
 
