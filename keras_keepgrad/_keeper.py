@@ -1,17 +1,20 @@
-"""The keeping mechanism: gradient slots, unscaling, sparse storage.
+"""The keeping mechanism on TensorFlow: gradient slots, unscaling, sparse storage.
 
 Everything here touches TensorFlow graph machinery (tracing, `tf.Variable`
-slots, `tf.init_scope`, distribution); `model.py` only orchestrates it.
+slots, `tf.init_scope`, distribution); `model.py` only orchestrates it, and
+`_capture.py` brings each optimizer's gradients here.
 
-Data path of one step: `unscale()` turns the gradients that `train_step`
-computed from the scaled loss into what the optimizer's update receives,
-`store()` writes them into the slots (one assign per variable; sparse
-gradients stay sparse), `after()` makes the optimizer's update of each
-variable wait for its slot write, and readers densify on read. Under XLA,
-which cannot write a variable whose shape changes, sparse slots are written
-after the compiled step (`GradientKeeper.deferring_sparse_writes`), unless
-the optimizer's update densifies the gradient anyway (`densified_in`): then
-the slot is dense and XLA computes the dense tensor once for both.
+Data path of one `optimizer.apply` in a training step:
+`GradientKeeper.keep_from_optimizer` turns the gradients the step handed
+over (computed from the scaled loss) into what the optimizer's update
+receives (`unscale`), `store()` writes them into the slots (one assign per
+variable; sparse gradients stay sparse; slots missing at the first trace
+are made there), `after()` makes the optimizer's update of each variable
+wait for its slot write, and readers densify on read. Under XLA, which
+cannot write a variable whose shape changes, sparse slots are written after
+the compiled step (`GradientKeeper.deferring_sparse_writes`), unless the
+optimizer's update densifies the gradient anyway (`densified_in`): then the
+slot is dense and XLA computes the dense tensor once for both.
 """
 
 import collections

@@ -97,6 +97,12 @@ class KeepGradModel(keras.Model):
     accumulation, EMA), dense, and with the dtype the optimizer's update
     receives.
 
+    The gradients are taken where an optimizer receives them (its `apply`,
+    which `apply_gradients` calls), so a subclass's own `train_step` is
+    kept too, with every optimizer it uses (a GAN's two): no code beyond
+    subclassing. A step that updates variables without an optimizer passes
+    its gradients through `keep_step_gradients` first.
+
     Args:
         keep_gradients: Bool. Keep each training batch's gradients. With
             False the model is a plain `keras.Model` in every variable, op
@@ -701,9 +707,8 @@ def keep_gradients(model, **options):
             f"keep_gradients(): {type(model).__name__} overrides {overridden}, "
             "which the returned model does not run: it trains, evaluates and "
             "predicts with `KeepGradModel`'s own steps. Define them on a "
-            "subclass of `kg.KeepGradModel` instead (a `train_step` of your "
-            "own replaces the one that keeps gradients; `compute_loss` and "
-            "`compute_metrics` are used by it).",
+            "subclass of `kg.KeepGradModel` instead: a `train_step` of your "
+            "own there keeps every gradient its optimizers receive.",
             stacklevel=2,
         )
     inputs = outputs = None

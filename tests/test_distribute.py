@@ -111,6 +111,18 @@ def _ok(results, name):
 # MirroredStrategy ---------------------------------------------------------
 
 
+def test_fit_inside_the_scope_and_an_own_step_keep_the_global_gradient(mirrored):
+    in_scope = _ok(mirrored, "fit_in_scope")
+    assert in_scope["gradients"] == {"dense_0": {"kernel": [[15.0]]}}
+    assert in_scope["weight"] == 1.5
+    assert in_scope["history"] == {"grad_norm": [15.0], "loss": [22.5]}
+    # A user's own step: the replicas' partial 3 and 12 the optimizer sums.
+    own = _ok(mirrored, "own_step")
+    assert own["gradients"] == {"dense_0": {"kernel": [[15.0]]}}
+    assert own["weight"] == 1.5
+    assert own["grad_norm"] == [15.0]
+
+
 def test_one_weight_model_keeps_the_global_gradient(mirrored):
     r = _ok(mirrored, "one_weight")
     assert r["replicas"] == 2
@@ -612,7 +624,42 @@ def _mirrored_scenarios():
     _scenario(results, "mixed_float16", _scenario_mixed_float16, strategy)
     _scenario(results, "jit_compile", _scenario_jit_compile, strategy)
     _scenario(results, "wrapped_outside", _scenario_wrapped_outside_the_scope, strategy)
+    _scenario(results, "fit_in_scope", _scenario_fit_in_scope, strategy)
+    _scenario(results, "own_step", _scenario_own_step, strategy)
     return results
+
+
+def _scenario_fit_in_scope(strategy):
+    import keras_keepgrad as kg
+
+    model = _one_weight_model(kg.KeepGradModel, strategy)
+    with strategy.scope():
+        history = _fit(model, _dataset(X, Y, batch_size=2))
+    return {"gradients": _tolist(model.gradients), "weight": _weight(model),
+            "history": {k: [float(v) for v in vs] for k, vs in history.history.items()}}
+
+
+def _scenario_own_step(strategy):
+    import tensorflow as tf
+
+    import keras_keepgrad as kg
+
+    class OwnStep(kg.KeepGradModel):
+        # The guide's step: Keras's `compute_loss` scales each replica's
+        # loss by 1 / replicas, as in Keras's own step.
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(y=y, y_pred=y_pred)
+            variables = self.trainable_variables
+            self.optimizer.apply(tape.gradient(loss, variables), variables)
+            return self.compute_metrics(x, y, y_pred)
+
+    model = _one_weight_model(OwnStep, strategy)
+    history = _fit(model, _dataset(X, Y, batch_size=2))
+    return {"gradients": _tolist(model.gradients), "weight": _weight(model),
+            "grad_norm": [float(v) for v in history.history["grad_norm"]]}
 
 
 def _worker_scenario():
