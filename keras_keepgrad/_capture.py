@@ -104,6 +104,9 @@ def _capturing(apply):
 
     @functools.wraps(apply)
     def capturing_apply(optimizer, grads, trainable_variables=None):
+        # Called from a user's step, which a `tf.function` may convert with
+        # AutoGraph: this runs as written, as Keras's own `apply` does in
+        # `fit`.
         step = current_step()
         if step is None or step.applying:
             return apply(optimizer, grads, trainable_variables)
@@ -129,25 +132,39 @@ def _capturing(apply):
         return step.keeper.keep_from_optimizer(step, optimizer, variables, grads, run)
 
     capturing_apply._keepgrad_original = apply
-    return capturing_apply
+    return _do_not_convert(capturing_apply)
+
+
+def _do_not_convert(fn):
+    """`fn`, marked for TensorFlow's AutoGraph (if that is the backend)."""
+    if keras.backend.backend() != "tensorflow":
+        return fn
+    import tensorflow as tf
+
+    return tf.autograph.experimental.do_not_convert(fn)
 
 
 _install_lock = threading.Lock()
 
 
-def install():
+_installed = False
+
+
+def install(again=True):
     """Wraps `apply` of every optimizer class defined so far (idempotent).
 
     Called whenever a `KeepGradModel` builds its training function, so
     that optimizer classes defined after an earlier call (a user's own,
-    overriding `apply`) are wrapped too.
+    overriding `apply`) are wrapped too. With `again=False`, only if it was
+    never called.
     """
+    global _installed
+    if _installed and not again:
+        return
     with _install_lock:
-        pending = [keras.optimizers.Optimizer]
-        base = next(
-            c for c in keras.optimizers.Optimizer.__mro__ if "apply" in vars(c)
-        )
-        pending.append(base)
+        _installed = True
+        # Every optimizer class derives from the one defining `apply`.
+        pending = [next(c for c in keras.optimizers.Optimizer.__mro__ if "apply" in vars(c))]
         seen = set()
         while pending:
             cls = pending.pop()

@@ -60,16 +60,25 @@ def _keeping(train_step):
 
     @functools.wraps(train_step)
     def keeping(self, data):
-        step = _capture.current_step()
-        if not self._keep_gradients or (step is not None and step.model is self):
-            return train_step(self, data)
-        if self._keeper is None:
-            self._keeper = self._new_keeper()
-        with _capture.training_step(self, self._keeper):
+        with _keeping_context(self):
             return train_step(self, data)
 
     keeping._keeps = True
     return keeping
+
+
+@tf.autograph.experimental.do_not_convert  # a `tf.function` may convert `train_step`
+def _keeping_context(model):
+    """The context of one keeping step of `model`; none if it keeps nothing
+    or is in its step already."""
+    step = _capture.current_step()
+    if not model._keep_gradients or (step is not None and step.model is model):
+        return contextlib.nullcontext()
+    # Done by `make_train_function`, unless the step is called alone.
+    _capture.install(again=False)
+    if model._keeper is None:
+        model._keeper = model._new_keeper()
+    return _capture.training_step(model, model._keeper)
 
 
 def _marking_evaluation(test_step):
