@@ -79,10 +79,12 @@ from keras_keepgrad import metrics as kgm  # noqa: E402
 TARGET = 0.02  # GradientNorm: at most 2% step time (issue 3)
 
 MODES = {
-    "full": dict(rounds=60, round_seconds=0.15,
-                 variants=("reference", "control", "grad_norm", "per_layer", "all")),
-    "quick": dict(rounds=15, round_seconds=0.05,
-                  variants=("reference", "control", "grad_norm")),
+    "full": dict(
+        rounds=60,
+        round_seconds=0.15,
+        variants=("reference", "control", "grad_norm", "per_layer", "all"),
+    ),
+    "quick": dict(rounds=15, round_seconds=0.05, variants=("reference", "control", "grad_norm")),
 }
 
 
@@ -159,11 +161,13 @@ def measure(mode, jit_compile, clock=time.perf_counter, log=print):
     params = int(sum(np.prod(v.shape) for v in entries["reference"][0].trainable_variables))
     one = min(run_steps(*entries["reference"], 3) / 3 for _ in range(2))
     steps = max(1, int(round(mode["round_seconds"] / one)))
-    log(f"{params:,} parameters, jit_compile={jit_compile}: {one * 1e3:.2f} ms/step "
-        f"(reference), {steps} steps/round, {mode['rounds']} rounds")
+    log(
+        f"{params:,} parameters, jit_compile={jit_compile}: {one * 1e3:.2f} ms/step "
+        f"(reference), {steps} steps/round, {mode['rounds']} rounds"
+    )
     times = {v: [] for v in variants}
     for r in range(mode["rounds"]):
-        rotated = variants[r % len(variants):] + variants[: r % len(variants)]
+        rotated = variants[r % len(variants) :] + variants[: r % len(variants)]
         gc.collect()
         gc.disable()
         try:
@@ -181,8 +185,13 @@ def measure(mode, jit_compile, clock=time.perf_counter, log=print):
             "ratio": _summary(ratio),
             "beyond_control": _summary(ratio - control),
         }
-    return {"params": params, "jit_compile": jit_compile, "steps_per_round": steps,
-            "rounds": mode["rounds"], "variants": results}
+    return {
+        "params": params,
+        "jit_compile": jit_compile,
+        "steps_per_round": steps,
+        "rounds": mode["rounds"],
+        "variants": results,
+    }
 
 
 def table(result):
@@ -205,12 +214,15 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="15 rounds, 3 variants")
     parser.add_argument("--jit", action="store_true", help="jit_compile=True")
     parser.add_argument(
-        "--cpu-time", action="store_true",
+        "--cpu-time",
+        action="store_true",
         help="time with the process's CPU time (all threads) instead of the "
         "wall clock: steadier on a machine shared with other jobs",
     )
     parser.add_argument(
-        "--threads", type=int, default=0,
+        "--threads",
+        type=int,
+        default=0,
         help="TensorFlow intra- and inter-op threads (0: TensorFlow's default)",
     )
     parser.add_argument("--out", help="also write the results as JSON here")
@@ -225,15 +237,19 @@ def main(argv=None):
         mode=mode_name,
         clock="cpu" if args.cpu_time else "wall",
         threads=args.threads or "default",
-        versions={"tensorflow": tf.__version__, "keras": keras.__version__,
-                  "python": platform.python_version()},
+        versions={
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+            "python": platform.python_version(),
+        },
         cpus=os.cpu_count(),
     )
     print(table(result))
     cost = result["variants"]["grad_norm"]["beyond_control"]["median"]
     verdict = "within" if cost <= TARGET else "OVER"
-    print(f"\nGradientNorm: {cost:+.2%} step time beyond control, {verdict} the "
-          f"{TARGET:.0%} budget.")
+    print(
+        f"\nGradientNorm: {cost:+.2%} step time beyond control, {verdict} the {TARGET:.0%} budget."
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -114,17 +114,26 @@ RECOMPUTE_FACTOR = 10.0
 MODES = {
     # Each round times `passes` interleaved passes over the variants, each
     # variant running about `pass_seconds` of steps per pass.
-    "full": dict(rounds=100, passes=2, pass_seconds=0.1, memory_pairs=3,
-                 memory_models=("mlp_10m", "embedding"),
-                 memory_allocators=("mmap", "default", "mmap-no-onednn"),
-                 memory_variants=("plain", "kept", "hand")),
+    "full": dict(
+        rounds=100,
+        passes=2,
+        pass_seconds=0.1,
+        memory_pairs=3,
+        memory_models=("mlp_10m", "embedding"),
+        memory_allocators=("mmap", "default", "mmap-no-onednn"),
+        memory_variants=("plain", "kept", "hand"),
+    ),
     # Quick: only the variants the targets need (each one is built, traced
     # and XLA-compiled per config, which dominates a short run).
-    "quick": dict(rounds=8, passes=2, pass_seconds=0.02, memory_pairs=1,
-                  memory_models=("mlp_10m",),
-                  variants=("plain", "control", "kept", "recompute")),
-    "smoke": dict(rounds=2, passes=2, pass_seconds=0.0, memory_pairs=1,
-                  memory_models=("mlp_1m",)),
+    "quick": dict(
+        rounds=8,
+        passes=2,
+        pass_seconds=0.02,
+        memory_pairs=1,
+        memory_models=("mlp_10m",),
+        variants=("plain", "control", "kept", "recompute"),
+    ),
+    "smoke": dict(rounds=2, passes=2, pass_seconds=0.0, memory_pairs=1, memory_models=("mlp_1m",)),
 }
 
 
@@ -180,18 +189,22 @@ def model_specs(smoke):
         }
     return {
         # 512*1024 + 1024*512 + 512*10 (+ biases) = 1.06M parameters.
-        "mlp_1m": (_mlp(512, [1024, 512], 10), 128,
-                   lambda r, b: r.random((b, 512), "float32")),
+        "mlp_1m": (_mlp(512, [1024, 512], 10), 128, lambda r, b: r.random((b, 512), "float32")),
         # 1024*2048 + 2*2048*2048 + 2048*10 (+ biases) = 10.5M parameters.
-        "mlp_10m": (_mlp(1024, [2048, 2048, 2048], 10), 128,
-                    lambda r, b: r.random((b, 1024), "float32")),
+        "mlp_10m": (
+            _mlp(1024, [2048, 2048, 2048], 10),
+            128,
+            lambda r, b: r.random((b, 1024), "float32"),
+        ),
         # CIFAR-sized: conv 32, conv 64, dense 128: 0.32M parameters.
-        "conv": (_conv(32, [32, 64], 128), 64,
-                 lambda r, b: r.random((b, 32, 32, 3), "float32")),
+        "conv": (_conv(32, [32, 64], 128), 64, lambda r, b: r.random((b, 32, 32, 3), "float32")),
         # Embedding(50_000, 64): 3.2M parameters, sparse gradient of
         # batch * length = 4096 rows.
-        "embedding": (_embedding(50_000, 64, 64), 64,
-                      lambda r, b: r.integers(0, 50_000, (b, 64)).astype("int32")),
+        "embedding": (
+            _embedding(50_000, 64, 64),
+            64,
+            lambda r, b: r.integers(0, 50_000, (b, 64)).astype("int32"),
+        ),
     }
 
 
@@ -206,8 +219,10 @@ class _WithSlots(keras.Model):
     def make_slots(self):
         """One `tf.Variable` per trainable variable, made before training."""
         self._slots = _Holder(
-            [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
-             for v in self.trainable_variables]
+            [
+                tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
+                for v in self.trainable_variables
+            ]
         )
 
 
@@ -223,9 +238,7 @@ class HandKeptModel(_WithSlots):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
-            loss = self.compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight
-            )
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
         variables = self.trainable_variables
         grads = tape.gradient(loss, variables)
         for slot, grad in zip(self._slots.items, grads):
@@ -313,8 +326,7 @@ def new_variant(variant, build, batch, jit_compile, weights=None):
         raise ValueError(f"Unknown variant: {variant!r}")
     if weights is not None:
         model.set_weights(weights)
-    model.compile(optimizer=OPTIMIZERS[OPTIMIZER](1e-4), loss=_loss(),
-                  jit_compile=jit_compile)
+    model.compile(optimizer=OPTIMIZERS[OPTIMIZER](1e-4), loss=_loss(), jit_compile=jit_compile)
     callback = None
     if variant == "recompute":
         callback = RecomputeGradients(batch, _loss(), jit_compile)
@@ -324,8 +336,14 @@ def new_variant(variant, build, batch, jit_compile, weights=None):
 def fit_briefly(model, callback, batch):
     """Two `fit` steps (which trace), then `(model, iterator, callback)`."""
     dataset = tf.data.Dataset.from_tensors(batch).repeat()
-    model.fit(dataset, steps_per_epoch=2, epochs=1, verbose=0, shuffle=False,
-              callbacks=[callback] if callback else None)
+    model.fit(
+        dataset,
+        steps_per_epoch=2,
+        epochs=1,
+        verbose=0,
+        shuffle=False,
+        callbacks=[callback] if callback else None,
+    )
     # The iterator type `fit` uses, so `train_function` is not retraced.
     iterator = iter(model.distribute_strategy.experimental_distribute_dataset(dataset))
     return model, iterator, callback
@@ -415,8 +433,7 @@ def bootstrap(runs, variants, seed=0, samples=BOOTSTRAP_SAMPLES):
     """
     rng = np.random.default_rng(seed)
     times = [
-        {v: np.stack([f[v, i] for i in range(_instances(f, v))]) for v in variants}
-        for f in runs
+        {v: np.stack([f[v, i] for i in range(_instances(f, v))]) for v in variants} for f in runs
     ]
     floor = "kept" in variants and "floor" in variants
     out = {v: np.empty(samples) for v in variants}
@@ -428,18 +445,18 @@ def bootstrap(runs, variants, seed=0, samples=BOOTSTRAP_SAMPLES):
         for k in chosen:
             rounds = times[k]["plain"].shape[1]
             picked = rng.integers(0, rounds, rounds)
-            parts.append({
-                v: t[rng.integers(0, len(t), len(t))][:, picked].mean(axis=0)
-                for v, t in times[k].items()
-            })
+            parts.append(
+                {
+                    v: t[rng.integers(0, len(t), len(t))][:, picked].mean(axis=0)
+                    for v, t in times[k].items()
+                }
+            )
         mean = {v: np.concatenate([part[v] for part in parts]) for v in variants}
         control = mean["control"] / mean["plain"]
         for v in variants:
             out[v][b] = np.median(mean[v] / mean["plain"] - control)
         if floor:
-            out[KEPT_BEYOND_FLOOR][b] = np.median(
-                (mean["kept"] - mean["floor"]) / mean["plain"]
-            )
+            out[KEPT_BEYOND_FLOOR][b] = np.median((mean["kept"] - mean["floor"]) / mean["plain"])
     return out
 
 
@@ -452,8 +469,12 @@ def intervals(samples, target):
     """
     ci = {v: [float(q) for q in np.percentile(s, [5, 95])] for v, s in samples.items()}
     beyond_floor = ci.pop(KEPT_BEYOND_FLOOR, None)
-    out = {"ci90": ci, "target_verdict": None, "recompute_over_kept_low": None,
-           "kept_beyond_floor_ci90": beyond_floor}
+    out = {
+        "ci90": ci,
+        "target_verdict": None,
+        "recompute_over_kept_low": None,
+        "kept_beyond_floor_ci90": beyond_floor,
+    }
     if "kept" in ci and target is not None:
         low, high = ci["kept"]
         out["target_verdict"] = (
@@ -494,12 +515,15 @@ def config_result(runs, variants, target):
     landed): within a process that effect does not average out over rounds.
     The rounds of several runs are pooled, in turn.
     """
+
     def per_round(column):
         return {
-            v: np.concatenate([
-                np.mean([f[v, i][:, column] for i in range(_instances(f, v))], axis=0)
-                for f in runs
-            ])
+            v: np.concatenate(
+                [
+                    np.mean([f[v, i][:, column] for i in range(_instances(f, v))], axis=0)
+                    for f in runs
+                ]
+            )
             for v in variants
         }
 
@@ -517,9 +541,7 @@ def config_result(runs, variants, target):
         result["cpu_kept_beyond_floor"] = cpu_summary["kept_beyond_floor"]
     result["target"] = target
     for key, column in (("wall", 0), ("cpu", 1)):
-        samples = bootstrap(
-            [{k: t[:, column] for k, t in f.items()} for f in runs], variants
-        )
+        samples = bootstrap([{k: t[:, column] for k, t in f.items()} for f in runs], variants)
         result[f"{key}_intervals"] = intervals(samples, target)
     result["meets_target"] = result["recompute_over_kept"] = None
     result["meets_recompute_factor"] = None
@@ -575,9 +597,11 @@ def time_config(name, spec, jit_compile, mode, variants, log):
     # Steps per pass: about `pass_seconds` of plain training.
     one = min(run_steps(*plain, 3)[0] / 3 for _ in range(2))
     steps = max(1, int(round(mode["pass_seconds"] / one)))
-    log(f"  {name} jit={jit_compile}: {params:,} params, {instances} instance(s) "
+    log(
+        f"  {name} jit={jit_compile}: {params:,} params, {instances} instance(s) "
         f"per variant built in {time.perf_counter() - t0:.1f}s, "
-        f"{one * 1e3:.2f} ms/step, {steps} steps/pass")
+        f"{one * 1e3:.2f} ms/step, {steps} steps/pass"
+    )
     passes = mode["passes"]
     raw = {key: np.zeros((mode["rounds"], passes, 2)) for key in keys}
     for r in range(mode["rounds"]):
@@ -602,8 +626,7 @@ def time_config(name, spec, jit_compile, mode, variants, log):
         # [instance][round][pass] = [wall, cpu] seconds per step, before the
         # min over passes and the mean over instances.
         "pass_seconds_per_step": {
-            v: [(raw[v, i] / steps).tolist() for i in range(instances)]
-            for v in variants
+            v: [(raw[v, i] / steps).tolist() for i in range(instances)] for v in variants
         },
     }
     # A round's time of an instance: its fastest pass (see `config_result`).
@@ -647,19 +670,29 @@ def combine_processes(runs):
         per = [run["configs"][c] for run in runs]
         if len({(p["model"], p["jit_compile"]) for p in per}) != 1:
             raise ValueError(f"The processes timed different configs at {c}.")
-        config = {key: first[key] for key in (
-            "model", "jit_compile", "params", "param_mb", "batch_size",
-            "instances", "passes_per_round")}
+        config = {
+            key: first[key]
+            for key in (
+                "model",
+                "jit_compile",
+                "params",
+                "param_mb",
+                "batch_size",
+                "instances",
+                "passes_per_round",
+            )
+        }
         config["processes"] = len(per)
         config["rounds"] = sum(p["rounds"] for p in per)
         config["steps_per_pass_by_process"] = [p["steps_per_pass"] for p in per]
-        config.update(config_result([fastest_from(p) for p in per], variants,
-                                    first["target"]))
+        config.update(config_result([fastest_from(p) for p in per], variants, first["target"]))
         config["per_process"] = [
-            {"kept_beyond_control": p["beyond_control"].get("kept"),
-             "kept_ci90": p["wall_intervals"]["ci90"].get("kept"),
-             "kept_beyond_floor": p.get("kept_beyond_floor"),
-             "plain_step_ms": p["step_ms"]["plain"]}
+            {
+                "kept_beyond_control": p["beyond_control"].get("kept"),
+                "kept_ci90": p["wall_intervals"]["ci90"].get("kept"),
+                "kept_beyond_floor": p.get("kept_beyond_floor"),
+                "plain_step_ms": p["step_ms"]["plain"],
+            }
             for p in per
         ]
         configs.append(config)
@@ -686,7 +719,8 @@ def combine_files(paths):
         if not found:
             raise ValueError(
                 f"{path} holds no process runs: `--combine` takes the JSON "
-                "files of runs made with `--processes` 2 or more.")
+                "files of runs made with `--processes` 2 or more."
+            )
         runs += found
     for key in ("variants", "optimizer"):
         if len({json.dumps(run[key]) for run in runs}) != 1:
@@ -695,16 +729,28 @@ def combine_files(paths):
     def key(config):
         return config["model"], config["jit_compile"], config["batch_size"]
 
-    common = [key(c) for c in runs[0]["configs"]
-              if all(key(c) in {key(d) for d in run["configs"]} for run in runs)]
+    common = [
+        key(c)
+        for c in runs[0]["configs"]
+        if all(key(c) in {key(d) for d in run["configs"]} for run in runs)
+    ]
     if not common:
         raise ValueError("The runs to combine share no config (model, jit, batch size).")
-    runs = [dict(run, configs=[next(c for c in run["configs"] if key(c) == k)
-                               for k in common])
-            for run in runs]
-    return {"mode": "combined", "sources": list(paths), "variants": runs[0]["variants"],
-            "optimizer": runs[0]["optimizer"], "configs": combine_processes(runs),
-            "op_counts": [], "memory": [], "process_runs": runs, "complete": True}
+    runs = [
+        dict(run, configs=[next(c for c in run["configs"] if key(c) == k) for k in common])
+        for run in runs
+    ]
+    return {
+        "mode": "combined",
+        "sources": list(paths),
+        "variants": runs[0]["variants"],
+        "optimizer": runs[0]["optimizer"],
+        "configs": combine_processes(runs),
+        "op_counts": [],
+        "memory": [],
+        "process_runs": runs,
+        "complete": True,
+    }
 
 
 def time_in_processes(argv, processes, log):
@@ -720,7 +766,8 @@ def time_in_processes(argv, processes, log):
             # parent prints the combined ones. Its log goes to stderr.
             subprocess.run(
                 [sys.executable, os.path.abspath(__file__), *child_args(argv, path)],
-                check=True, stdout=subprocess.DEVNULL,
+                check=True,
+                stdout=subprocess.DEVNULL,
             )
             with open(path) as f:
                 yield json.load(f)
@@ -792,8 +839,10 @@ def memory_child(name, variant, smoke, steps):
     """
     build, batch_size, make_x = model_specs(smoke)[name]
     rng = np.random.default_rng(0)
-    batch = (tf.constant(make_x(rng, batch_size)),
-             tf.constant(rng.integers(0, 10, (batch_size,)).astype("int32")))
+    batch = (
+        tf.constant(make_x(rng, batch_size)),
+        tf.constant(rng.integers(0, 10, (batch_size,)).astype("int32")),
+    )
     keras.utils.set_random_seed(0)
     model, callback = new_variant(variant, build, batch, jit_compile=False)
     gc.collect()
@@ -803,11 +852,15 @@ def memory_child(name, variant, smoke, steps):
     run_steps(*fit_briefly(model, callback, batch), steps)
     peak = _status_bytes("VmHWM")
     params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
-    print(json.dumps({
-        "peak_rss": max(peak, peak_before),
-        "training_growth": peak - rss_before if reset and rss_before else None,
-        "params": params,
-    }))
+    print(
+        json.dumps(
+            {
+                "peak_rss": max(peak, peak_before),
+                "training_growth": peak - rss_before if reset and rss_before else None,
+                "params": params,
+            }
+        )
+    )
 
 
 # glibc keeps freed memory below a threshold that grows with the sizes it
@@ -823,8 +876,7 @@ ALLOCATORS = {
 }
 
 
-def measure_memory(name, pairs, smoke, log, allocator="mmap",
-                   variants=("plain", "kept")):
+def measure_memory(name, pairs, smoke, log, allocator="mmap", variants=("plain", "kept")):
     """RSS figures of fresh processes training each of `variants`."""
     variants = list(variants)
     env = dict(os.environ, **ALLOCATORS[allocator])
@@ -834,15 +886,22 @@ def measure_memory(name, pairs, smoke, log, allocator="mmap",
         # changes when processes compete for the cores.
         shift = i % len(variants)
         for variant in variants[shift:] + variants[:shift]:
-            cmd = [sys.executable, os.path.abspath(__file__), "--memory-child",
-                   name, variant, "--steps", "20", "--optimizer", OPTIMIZER]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--memory-child",
+                name,
+                variant,
+                "--steps",
+                "20",
+                "--optimizer",
+                OPTIMIZER,
+            ]
             if smoke:
                 cmd.append("--smoke")
             child = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if child.returncode:
-                raise RuntimeError(
-                    f"memory child {name}/{variant} failed:\n{child.stderr}"
-                )
+                raise RuntimeError(f"memory child {name}/{variant} failed:\n{child.stderr}")
             records[variant].append(json.loads(child.stdout.strip().splitlines()[-1]))
     mb = 2**20
     params = records["plain"][0]["params"]
@@ -855,8 +914,7 @@ def measure_memory(name, pairs, smoke, log, allocator="mmap",
         "pairs": pairs,
         "peak_rss_mb": {v: [r["peak_rss"] / mb for r in rs] for v, rs in records.items()},
         "training_growth_mb": {
-            v: [None if r["training_growth"] is None else r["training_growth"] / mb
-                for r in rs]
+            v: [None if r["training_growth"] is None else r["training_growth"] / mb for r in rs]
             for v, rs in records.items()
         },
     }
@@ -872,10 +930,12 @@ def measure_memory(name, pairs, smoke, log, allocator="mmap",
     if "hand" in variants:
         result["hand_extra_mb"] = extra("peak_rss_mb", "hand")
         result["hand_extra_training_growth_mb"] = extra("training_growth_mb", "hand")
-    log(f"  memory {name} ({allocator}): kept - plain peak RSS "
+    log(
+        f"  memory {name} ({allocator}): kept - plain peak RSS "
         f"{result['extra_mb']:+.1f} MB, growth in training "
         f"{result['extra_training_growth_mb']} MB; parameters "
-        f"{result['param_mb']:.1f} MB")
+        f"{result['param_mb']:.1f} MB"
+    )
     return result
 
 
@@ -884,10 +944,12 @@ def measure_memory(name, pairs, smoke, log, allocator="mmap",
 
 def code_state():
     """The commit benchmarked, and whether the package differs from it."""
+
     def git(*args):
         try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True,
-                                  text=True, timeout=10).stdout.strip()
+            return subprocess.run(
+                ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
 
@@ -902,8 +964,7 @@ def machine_state():
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f
-                       if line.startswith("model name"))
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     return {
@@ -926,9 +987,13 @@ def _iqr(s):
     return f"{_pct(s['median'])} [{_pct(s['q25'])}, {_pct(s['q75'])}]"
 
 
-_TITLES = {"kept": "kept", "every10": "kept, keep_every=10",
-           "hand": "hand-written train_step", "floor": "floor (one weight copy)",
-           "recompute": "recompute in callback"}
+_TITLES = {
+    "kept": "kept",
+    "every10": "kept, keep_every=10",
+    "hand": "hand-written train_step",
+    "floor": "floor (one weight copy)",
+    "recompute": "recompute in callback",
+}
 
 
 def _timing_table(results, seconds_key, ratio_key, beyond_key, intervals_key, floor_key):
@@ -972,8 +1037,10 @@ def _timing_table(results, seconds_key, ratio_key, beyond_key, intervals_key, fl
             f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['batch_size']} | "
             f"{'on' if r['jit_compile'] else 'off'} | "
             f"{np.median(r[seconds_key]['plain']) * 1e3:.2f} | "
-            f"{_iqr(control)} | " + " | ".join(_iqr(beyond[v]) for v in shown)
-            + beyond_floor + f" | {factor} | {interval} | {target} |"
+            f"{_iqr(control)} | "
+            + " | ".join(_iqr(beyond[v]) for v in shown)
+            + beyond_floor
+            + f" | {factor} | {interval} | {target} |"
         )
     return lines
 
@@ -983,12 +1050,23 @@ def markdown(results):
     lines = []
     if results["configs"]:
         lines += ["Wall time:", ""]
-        lines += _timing_table(results, "seconds_per_step", "ratio", "beyond_control",
-                               "wall_intervals", "kept_beyond_floor")
+        lines += _timing_table(
+            results,
+            "seconds_per_step",
+            "ratio",
+            "beyond_control",
+            "wall_intervals",
+            "kept_beyond_floor",
+        )
         lines += ["", "Process CPU time (all threads):", ""]
-        lines += _timing_table(results, "cpu_seconds_per_step", "cpu_ratio",
-                               "cpu_beyond_control", "cpu_intervals",
-                               "cpu_kept_beyond_floor")
+        lines += _timing_table(
+            results,
+            "cpu_seconds_per_step",
+            "cpu_ratio",
+            "cpu_beyond_control",
+            "cpu_intervals",
+            "cpu_kept_beyond_floor",
+        )
         lines += [
             "",
             "Cells: median over rounds [interquartile range]. `control`: the "
@@ -1006,8 +1084,12 @@ def markdown(results):
         ]
     runs = [c for c in results["configs"] if "per_process" in c]
     if runs:
-        lines += ["", "Each process alone (`--processes`), kept beyond the control, "
-                  "wall time, median [its 90% interval]:", ""]
+        lines += [
+            "",
+            "Each process alone (`--processes`), kept beyond the control, "
+            "wall time, median [its 90% interval]:",
+            "",
+        ]
         for c in runs:
             cells = []
             for p in c["per_process"]:
@@ -1016,23 +1098,34 @@ def markdown(results):
                 if p["kept_ci90"]:
                     cell += f" [{_pct(p['kept_ci90'][0])}, {_pct(p['kept_ci90'][1])}]"
                 cells.append(cell)
-            lines.append(f"- {c['model']}, jit {'on' if c['jit_compile'] else 'off'}: "
-                         + ", ".join(cells))
+            lines.append(
+                f"- {c['model']}, jit {'on' if c['jit_compile'] else 'off'}: " + ", ".join(cells)
+            )
     if results.get("op_counts"):
-        lines += ["", "| model | plain ops | keep_gradients=False ops | kept ops | "
-                  "off == plain | extra ops when kept |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| model | plain ops | keep_gradients=False ops | kept ops | "
+            "off == plain | extra ops when kept |",
+            "|---|---|---|---|---|---|",
+        ]
         for o in results["op_counts"]:
             extra = ", ".join(f"{k} x{v}" for k, v in o["kept_extra_ops"].items())
-            lines.append(f"| {o['model']} | {o['plain']} | {o['off']} | {o['kept']} | "
-                         f"{'yes' if o['off_equals_plain'] else 'NO'} | {extra} |")
+            lines.append(
+                f"| {o['model']} | {o['plain']} | {o['off']} | {o['kept']} | "
+                f"{'yes' if o['off_equals_plain'] else 'NO'} | {extra} |"
+            )
     if results.get("memory"):
-        lines += ["", "| model | malloc | parameter MB | peak RSS MB, plain | kept | extra | "
-                  "growth in training MB, plain | kept | extra |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| model | malloc | parameter MB | peak RSS MB, plain | kept | extra | "
+            "growth in training MB, plain | kept | extra |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
 
         def cells(values, extra):
             def fmt(xs):
                 return ", ".join("?" if x is None else f"{x:.0f}" for x in xs)
+
             extra = "?" if extra is None else f"{extra:+.1f}"
             return f"{fmt(values['plain'])} | {fmt(values['kept'])} | {extra}"
 
@@ -1044,13 +1137,19 @@ def markdown(results):
             )
         hand = [m for m in results["memory"] if "hand_extra_mb" in m]
         if hand:
-            lines += ["", "Hand-written train_step keeping gradients (slots made "
-                      "before training), over plain:", ""]
-            lines += [f"- {m['model']} ({m['allocator']} malloc): peak RSS "
-                      f"{m['hand_extra_mb']:+.1f} MB, growth in training "
-                      f"{m['hand_extra_training_growth_mb']:+.1f} MB "
-                      f"(runs: {', '.join(f'{x:.0f}' for x in m['peak_rss_mb']['hand'])} MB)"
-                      for m in hand]
+            lines += [
+                "",
+                "Hand-written train_step keeping gradients (slots made "
+                "before training), over plain:",
+                "",
+            ]
+            lines += [
+                f"- {m['model']} ({m['allocator']} malloc): peak RSS "
+                f"{m['hand_extra_mb']:+.1f} MB, growth in training "
+                f"{m['hand_extra_training_growth_mb']:+.1f} MB "
+                f"(runs: {', '.join(f'{x:.0f}' for x in m['peak_rss_mb']['hand'])} MB)"
+                for m in hand
+            ]
     return "\n".join(lines)
 
 
@@ -1073,37 +1172,59 @@ def make_parser():
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--quick", action="store_true", help="8 rounds, < 3 min")
     group.add_argument("--smoke", action="store_true", help="tiny models, 2 rounds")
-    parser.add_argument("--rounds", type=_positive_int,
-                        help="override the number of rounds")
-    parser.add_argument("--pass-seconds", type=_positive_float,
-                        help="plain training time per pass (default by mode)")
+    parser.add_argument("--rounds", type=_positive_int, help="override the number of rounds")
+    parser.add_argument(
+        "--pass-seconds",
+        type=_positive_float,
+        help="plain training time per pass (default by mode)",
+    )
     parser.add_argument("--passes", type=_positive_int, help="passes per round")
-    parser.add_argument("--instances", type=_positive_int,
-                        help="model objects per variant, timed in turn and "
-                             "averaged (default 1)")
-    parser.add_argument("--processes", type=_positive_int,
-                        help="time in this many fresh processes, one after "
-                             "another, and pool their rounds: with several, the "
-                             "interval covers what differs between processes "
-                             "(default 1)")
+    parser.add_argument(
+        "--instances",
+        type=_positive_int,
+        help="model objects per variant, timed in turn and averaged (default 1)",
+    )
+    parser.add_argument(
+        "--processes",
+        type=_positive_int,
+        help="time in this many fresh processes, one after "
+        "another, and pool their rounds: with several, the "
+        "interval covers what differs between processes "
+        "(default 1)",
+    )
     parser.add_argument("--models", nargs="+", help="only these models")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam",
-                        help="optimizer of every variant (default adam)")
-    parser.add_argument("--jit", choices=("off", "on", "both"),
-                        help="jit_compile off, on or both; default both (smoke: off)")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS,
-                        help="only these variants (plain and control always run)")
-    parser.add_argument("--batch-size", type=int,
-                        help="override every model's batch size")
+    parser.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZERS),
+        default="adam",
+        help="optimizer of every variant (default adam)",
+    )
+    parser.add_argument(
+        "--jit",
+        choices=("off", "on", "both"),
+        help="jit_compile off, on or both; default both (smoke: off)",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        help="only these variants (plain and control always run)",
+    )
+    parser.add_argument("--batch-size", type=int, help="override every model's batch size")
     parser.add_argument("--no-timing", action="store_true")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-ops", action="store_true")
     parser.add_argument("--out", help="JSON path; default benchmarks/results/")
-    parser.add_argument("--combine", nargs="+", metavar="JSON",
-                        help="time nothing: pool the processes of earlier "
-                        "--processes runs' JSON files (their common configs)")
-    parser.add_argument("--memory-child", nargs=2, metavar=("MODEL", "VARIANT"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--combine",
+        nargs="+",
+        metavar="JSON",
+        help="time nothing: pool the processes of earlier "
+        "--processes runs' JSON files (their common configs)",
+    )
+    parser.add_argument(
+        "--memory-child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS
+    )
     parser.add_argument("--steps", type=int, default=20, help=argparse.SUPPRESS)
     return parser
 
@@ -1177,8 +1298,7 @@ def main(argv=None):
             json.dump(results, f, indent=1)
         os.replace(out + ".tmp", out)
 
-    log(f"mode={mode_name}, rounds={mode['rounds']}, optimizer={OPTIMIZER}, "
-        f"load={os.getloadavg()}")
+    log(f"mode={mode_name}, rounds={mode['rounds']}, optimizer={OPTIMIZER}, load={os.getloadavg()}")
     if args.no_timing:
         pass
     elif args.processes and args.processes > 1:
@@ -1207,10 +1327,16 @@ def main(argv=None):
         for allocator in mode.get("memory_allocators", ("mmap",)):
             for name in mode["memory_models"]:
                 if name in specs:
-                    results["memory"].append(measure_memory(
-                        name, mode["memory_pairs"], args.smoke, log, allocator,
-                        mode.get("memory_variants", ("plain", "kept")),
-                    ))
+                    results["memory"].append(
+                        measure_memory(
+                            name,
+                            mode["memory_pairs"],
+                            args.smoke,
+                            log,
+                            allocator,
+                            mode.get("memory_variants", ("plain", "kept")),
+                        )
+                    )
                     save()
     results["machine_after"] = machine_state()
     save(complete=True)

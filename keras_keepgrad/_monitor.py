@@ -186,8 +186,7 @@ class GradientMonitor(keras.callbacks.Callback):
             if scale >= self.min_loss_scale:
                 return  # The optimizer skipped the step and lowered its scale.
             note = (
-                f" The loss scale fell to {scale:g}, below "
-                f"min_loss_scale={self.min_loss_scale:g}."
+                f" The loss scale fell to {scale:g}, below min_loss_scale={self.min_loss_scale:g}."
             )
         if self._nonfinite_active:
             return
@@ -224,9 +223,7 @@ class GradientMonitor(keras.callbacks.Callback):
         reason = None
         if self.exploding_threshold is not None and value > self.exploding_threshold:
             reason = f"above exploding_threshold={self.exploding_threshold:g}"
-        elif self.exploding_factor is not None and len(self._recent) >= min(
-            10, self.median_window
-        ):
+        elif self.exploding_factor is not None and len(self._recent) >= min(10, self.median_window):
             median = float(np.median(self._recent))
             if median > 0 and value > self.exploding_factor * median:
                 reason = (

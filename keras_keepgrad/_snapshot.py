@@ -105,9 +105,7 @@ class GradientSnapshot(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         previous = self._steps.end_batch(batch, self.params)
-        if self.every != "epoch" and _grad_stats.crossed(
-            previous, self._steps.step, self.every
-        ):
+        if self.every != "epoch" and _grad_stats.crossed(previous, self._steps.step, self.every):
             self._write()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -129,15 +127,12 @@ class GradientSnapshot(keras.callbacks.Callback):
             arrays[path] = grad.numpy()
         arrays["step"] = np.int64(step)
         arrays["epoch"] = np.int64(epoch)
-        arrays["loss_scale"] = np.float64(
-            _grad_stats.loss_scale_of(self.model.optimizer)
-        )
+        arrays["loss_scale"] = np.float64(_grad_stats.loss_scale_of(self.model.optimizer))
         try:
             _atomic_savez(filename, arrays)
         except OSError as error:
             warnings.warn(
-                f"GradientSnapshot could not write {filename!r}: {error}. "
-                "Training continues.",
+                f"GradientSnapshot could not write {filename!r}: {error}. Training continues.",
                 stacklevel=2,
             )
             return

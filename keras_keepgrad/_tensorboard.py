@@ -115,9 +115,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     def set_model(self, model):
         # Fail at `fit`'s start with a clear message, not from the writer.
-        _grad_stats.check_writable_dir(
-            os.path.join(self.log_dir, "train"), "log_dir", self.log_dir
-        )
+        _grad_stats.check_writable_dir(os.path.join(self.log_dir, "train"), "log_dir", self.log_dir)
         super().set_model(model)
 
     def on_train_begin(self, logs=None):
@@ -134,11 +132,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self._count_skipped = self._loss_scaled and not getattr(
             optimizer.inner_optimizer, "gradient_accumulation_steps", None
         )
-        self._iterations_at_begin = (
-            int(optimizer.iterations.numpy())
-            if self._count_skipped
-            else 0
-        )
+        self._iterations_at_begin = int(optimizer.iterations.numpy()) if self._count_skipped else 0
         traced = self.update_freq != "epoch"
         tags = [_tb_panels.layer_norm_tag(layer) for layer in self._norms.layers]
         tags += [_tb_panels.GLOBAL_NORM_TAG, _tb_panels.NONFINITE_TAG]

@@ -203,8 +203,7 @@ class GradientMetric(keras.metrics.Metric):
         value = self.fn(nested)
         if value is None:
             raise ValueError(
-                f"The `fn` of GradientMetric {self.name!r} must return a "
-                "scalar. Received: None"
+                f"The `fn` of GradientMetric {self.name!r} must return a scalar. Received: None"
             )
         value = tf.convert_to_tensor(value)
         if value.shape.rank != 0:
@@ -304,9 +303,7 @@ class GradientMetric(keras.metrics.Metric):
                 return {}
             if tf.executing_eagerly() and float(self._count.numpy()) == 0.0:
                 return {}
-        count = tf.convert_to_tensor(
-            self._count if self._counted is None else self._counted
-        )
+        count = tf.convert_to_tensor(self._count if self._counted is None else self._counted)
         results = {}
         for key in self._keys:
             value = tf.convert_to_tensor(self._state[key])

@@ -23,8 +23,15 @@ STATS = {"median", "q25", "q75"}
 def test_overhead_smoke_writes_every_promised_number(tmp_path):
     out = tmp_path / "smoke.json"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "overhead.py"),
-         "--smoke", "--instances", "2", "--out", str(out)],
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "overhead.py"),
+            "--smoke",
+            "--instances",
+            "2",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -83,8 +90,10 @@ def test_overhead_smoke_writes_every_promised_number(tmp_path):
             low, high = found["kept_beyond_floor_ci90"]
             assert low <= high
         # Kept beyond the floor, per round: (kept - floor) / plain.
-        for key, times in (("kept_beyond_floor", "seconds_per_step"),
-                           ("cpu_kept_beyond_floor", "cpu_seconds_per_step")):
+        for key, times in (
+            ("kept_beyond_floor", "seconds_per_step"),
+            ("cpu_kept_beyond_floor", "cpu_seconds_per_step"),
+        ):
             t = {v: np.array(config[times][v]) for v in ("plain", "kept", "floor")}
             per_round = (t["kept"] - t["floor"]) / t["plain"]
             assert config[key]["median"] == np.percentile(per_round, 50)
@@ -146,10 +155,14 @@ def test_bootstrap_interval_spans_the_spread_between_model_objects():
     # overhead over plain (control equal to plain) is 0.25, 0.5 or 0.75.
     machine = np.array([1.0, 2.0, 4.0, 8.0])
     fastest = {
-        ("plain", 0): machine, ("plain", 1): machine,
-        ("control", 0): machine, ("control", 1): machine,
-        ("kept", 0): 1.25 * machine, ("kept", 1): 1.75 * machine,
-        ("recompute", 0): 2.0 * machine, ("recompute", 1): 2.0 * machine,
+        ("plain", 0): machine,
+        ("plain", 1): machine,
+        ("control", 0): machine,
+        ("control", 1): machine,
+        ("kept", 0): 1.25 * machine,
+        ("kept", 1): 1.75 * machine,
+        ("recompute", 0): 2.0 * machine,
+        ("recompute", 1): 2.0 * machine,
     }
     variants = ["plain", "control", "kept", "recompute"]
     samples = overhead.bootstrap([fastest], variants, samples=400)
@@ -172,9 +185,12 @@ def test_bootstrap_interval_spans_the_spread_between_model_objects():
     found = overhead.intervals(samples, target=0.5)
     assert found["kept_beyond_floor_ci90"] == [0.0, 0.5]
     assert set(found["ci90"]) == {"plain", "control", "kept", "recompute", "floor"}
-    assert overhead.intervals(
-        overhead.bootstrap([fastest], variants, samples=10), target=0.5
-    )["kept_beyond_floor_ci90"] is None
+    assert (
+        overhead.intervals(overhead.bootstrap([fastest], variants, samples=10), target=0.5)[
+            "kept_beyond_floor_ci90"
+        ]
+        is None
+    )
 
     # One instance: only the rounds are drawn; identical rounds leave no spread.
     one = {k: v for k, v in fastest.items() if k[1] == 0}
@@ -184,6 +200,7 @@ def test_bootstrap_interval_spans_the_spread_between_model_objects():
 
 def test_bootstrap_over_processes_draws_whole_processes_before_rounds():
     overhead = _overhead_module()
+
     # Process A ran 1 round, B 3; one instance each, control equal to plain.
     # Kept's overhead is 0.25 in A's round and 0.75 in each of B's. A
     # replicate draws 2 processes: AA pools 2 rounds at 0.25 (median 0.25);
@@ -192,8 +209,7 @@ def test_bootstrap_over_processes_draws_whole_processes_before_rounds():
     # 2 + 2, median 0.5: that value must never appear.
     def run(machine, kept):
         machine = np.asarray(machine)
-        return {("plain", 0): machine, ("control", 0): machine,
-                ("kept", 0): kept * machine}
+        return {("plain", 0): machine, ("control", 0): machine, ("kept", 0): kept * machine}
 
     runs = [run([1.0], 1.25), run([1.0, 2.0, 4.0], 1.75)]
     samples = overhead.bootstrap(runs, ["plain", "control", "kept"], samples=400)
@@ -206,7 +222,8 @@ def test_bootstrap_over_processes_draws_whole_processes_before_rounds():
     # 0.25, 0.75, 0.75, 0.75, so the median is 0.75.
     found = overhead.config_result(
         [{k: np.stack([t, t], axis=1) for k, t in r.items()} for r in runs],
-        ["plain", "control", "kept"], target=0.5,
+        ["plain", "control", "kept"],
+        target=0.5,
     )
     assert found["seconds_per_step"]["kept"] == [1.25, 1.75, 3.5, 7.0]
     assert found["beyond_control"]["kept"]["median"] == 0.75
@@ -218,9 +235,22 @@ def test_bootstrap_over_processes_draws_whole_processes_before_rounds():
 def test_overhead_in_processes_pools_their_rounds(tmp_path):
     out = tmp_path / "processes.json"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "overhead.py"),
-         "--smoke", "--processes", "2", "--models", "mlp_1m", "--variants",
-         "kept", "floor", "--no-memory", "--no-ops", "--out", str(out)],
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "overhead.py"),
+            "--smoke",
+            "--processes",
+            "2",
+            "--models",
+            "mlp_1m",
+            "--variants",
+            "kept",
+            "floor",
+            "--no-memory",
+            "--no-ops",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -264,8 +294,9 @@ def test_overhead_in_processes_pools_their_rounds(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps(other))
     combined_path = tmp_path / "combined.json"
     overhead = _overhead_module()
-    overhead.main(["--combine", str(out), str(tmp_path / "other.json"),
-                   "--out", str(combined_path)])
+    overhead.main(
+        ["--combine", str(out), str(tmp_path / "other.json"), "--out", str(combined_path)]
+    )
     combined = json.loads(combined_path.read_text())
     assert combined["sources"] == [str(out), str(tmp_path / "other.json")]
     (pooled,) = combined["configs"]
@@ -286,8 +317,12 @@ def test_overhead_in_processes_pools_their_rounds(tmp_path):
 def test_a_process_of_processes_times_only_itself_whatever_the_spelling():
     overhead = _overhead_module()
     parser = overhead.make_parser()
-    for argv in (["--processes", "3"], ["--processes=3"], ["--proc", "3"],
-                 ["--process=3", "--ou", "x.json"]):
+    for argv in (
+        ["--processes", "3"],
+        ["--processes=3"],
+        ["--proc", "3"],
+        ["--process=3", "--ou", "x.json"],
+    ):
         args = parser.parse_args(
             overhead.child_args(argv + ["--smoke", "--out", "y.json"], "p.json")
         )

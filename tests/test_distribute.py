@@ -71,7 +71,7 @@ def _result(process, timeout=TIMEOUT):
         pytest.fail(f"subprocess timed out after {timeout} s:\n{out[-2000:]}{err[-3000:]}")
     lines = [line for line in out.splitlines() if line.startswith(_MARK)]
     assert process.returncode == 0 and lines, out[-2000:] + err[-4000:]
-    return json.loads(lines[-1][len(_MARK):])
+    return json.loads(lines[-1][len(_MARK) :])
 
 
 # Fixtures: each subprocess runs once per test session ----------------------
@@ -256,8 +256,7 @@ def test_multi_worker_keeps_a_sparse_gradient(workers):
         assert "embedding_error" not in r, r.get("embedding_error")
         # Worker 0 has ids [1, 1, 3], worker 1 [0, 1, 4]; every output is 6,
         # d(loss)/d(output) = 6 per sample, 6 per occurrence of an id.
-        assert r["embedding_gradients"] == [[6.0] * 2, [18.0] * 2, [0.0] * 2,
-                                            [6.0] * 2, [6.0] * 2]
+        assert r["embedding_gradients"] == [[6.0] * 2, [18.0] * 2, [0.0] * 2, [6.0] * 2, [6.0] * 2]
 
 
 def test_plain_keras_fit_fails_under_multi_worker(workers):
@@ -380,9 +379,7 @@ def _scenario_one_weight(strategy):
     }
     model.train_on_batch(np.asarray(X, "float32"), np.zeros((2, 1), "float32"))
     result["train_on_batch"] = _kernel(model)
-    result["evaluate"] = model.evaluate(
-        _dataset(X, Y, batch_size=2), verbose=0, return_dict=True
-    )
+    result["evaluate"] = model.evaluate(_dataset(X, Y, batch_size=2), verbose=0, return_dict=True)
     return result
 
 
@@ -497,7 +494,6 @@ def _mixed_run(cls, strategy):
     import keras
     import tensorflow as tf
 
-
     kept = cls is not keras.Model
     keras.config.set_dtype_policy("mixed_float16")
     try:
@@ -564,8 +560,9 @@ def _scenario_jit_compile(strategy):
     return {
         "plain_keras_error": plain_error,
         "warnings": [str(w.message) for w in caught if "jit_compile" in str(w.message)],
-        "warned_at": [os.path.basename(w.filename) for w in caught
-                      if "jit_compile" in str(w.message)],
+        "warned_at": [
+            os.path.basename(w.filename) for w in caught if "jit_compile" in str(w.message)
+        ],
         "jit_compile": model.jit_compile,
         "gradients": _kernel(model),
     }
@@ -673,4 +670,3 @@ def _worker_scenario():
     except Exception:
         result["embedding_error"] = traceback.format_exc()
     return result
-

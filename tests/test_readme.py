@@ -31,6 +31,7 @@ def test_ten_line_example_prints_5():
     example = text.split("## Ten lines")[1].split("```python\n")[1].split("```")[0]
     assert len([l for l in example.splitlines() if l.strip()]) <= 10
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
-    out = subprocess.run([sys.executable, "-c", example], capture_output=True,
-                         text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, env=env, timeout=120
+    )
     assert "tf.Tensor([[5.]]" in out.stdout, out.stderr[-2000:]
