@@ -125,15 +125,20 @@ def _overhead_module():
     return module
 
 
+def _stats_module():
+    _overhead_module()  # puts benchmarks/ on sys.path
+    return importlib.import_module("overhead_stats")
+
+
 def test_pass_order_puts_every_key_at_every_position_equally_often():
-    overhead = _overhead_module()
+    stats = _stats_module()
     for n_variants, instances in ((4, 2), (5, 2), (2, 1), (7, 1)):
         keys = [(v, i) for i in range(instances) for v in range(n_variants)]
         n = len(keys)
         for p in range(2):
             seen = collections.Counter()
             for r in range(n):
-                order = overhead.pass_order(keys, r, p, 2)
+                order = stats.pass_order(keys, r, p, 2)
                 assert sorted(order) == sorted(keys)
                 seen.update(enumerate(order))
             # Over n rounds each (position, key) pair once: each key first
@@ -141,12 +146,12 @@ def test_pass_order_puts_every_key_at_every_position_equally_often():
             assert len(seen) == n * n and set(seen.values()) == {1}
     # The passes of one round start at different keys.
     keys = list(range(8))
-    assert overhead.pass_order(keys, 3, 0, 2)[0] == 3
-    assert overhead.pass_order(keys, 3, 1, 2)[0] == 7
+    assert stats.pass_order(keys, 3, 0, 2)[0] == 3
+    assert stats.pass_order(keys, 3, 1, 2)[0] == 7
 
 
 def test_bootstrap_interval_spans_the_spread_between_model_objects():
-    overhead = _overhead_module()
+    stats = _stats_module()
     # Seconds per step in each round, per (variant, instance). The machine
     # slows down from round to round (1, 2, 4, 8) for every variant alike:
     # drawn paired, rounds cancel out of each ratio; drawn apart, they would
@@ -165,28 +170,28 @@ def test_bootstrap_interval_spans_the_spread_between_model_objects():
         ("recompute", 1): 2.0 * machine,
     }
     variants = ["plain", "control", "kept", "recompute"]
-    samples = overhead.bootstrap([fastest], variants, samples=400)
+    samples = stats.bootstrap([fastest], variants, samples=400)
     assert set(np.unique(samples["kept"])) == {0.25, 0.5, 0.75}
     assert set(np.unique(samples["recompute"])) == {1.0}
 
-    found = overhead.intervals(samples, target=0.5)
+    found = stats.intervals(samples, target=0.5)
     assert found["ci90"]["kept"] == [0.25, 0.75]
     assert found["target_verdict"] == "undecided"
     # recompute / kept: 4, 2 or 4/3; the 5th percentile is the worst, 4/3.
     assert found["recompute_over_kept_low"] == 1.0 / 0.75
-    assert overhead.intervals(samples, target=0.75)["target_verdict"] == "met"
-    assert overhead.intervals(samples, target=0.125)["target_verdict"] == "missed"
+    assert stats.intervals(samples, target=0.75)["target_verdict"] == "met"
+    assert stats.intervals(samples, target=0.125)["target_verdict"] == "missed"
 
     # With a floor variant, kept's overhead beyond it: kept's mean is 1.25,
     # 1.5 or 1.75 times plain's and the floor's always 1.25, so 0, 0.25 or 0.5.
     fastest["floor", 0] = fastest["floor", 1] = 1.25 * machine
-    samples = overhead.bootstrap([fastest], variants + ["floor"], samples=400)
-    assert set(np.unique(samples[overhead.KEPT_BEYOND_FLOOR])) == {0.0, 0.25, 0.5}
-    found = overhead.intervals(samples, target=0.5)
+    samples = stats.bootstrap([fastest], variants + ["floor"], samples=400)
+    assert set(np.unique(samples[stats.KEPT_BEYOND_FLOOR])) == {0.0, 0.25, 0.5}
+    found = stats.intervals(samples, target=0.5)
     assert found["kept_beyond_floor_ci90"] == [0.0, 0.5]
     assert set(found["ci90"]) == {"plain", "control", "kept", "recompute", "floor"}
     assert (
-        overhead.intervals(overhead.bootstrap([fastest], variants, samples=10), target=0.5)[
+        stats.intervals(stats.bootstrap([fastest], variants, samples=10), target=0.5)[
             "kept_beyond_floor_ci90"
         ]
         is None
@@ -194,12 +199,12 @@ def test_bootstrap_interval_spans_the_spread_between_model_objects():
 
     # One instance: only the rounds are drawn; identical rounds leave no spread.
     one = {k: v for k, v in fastest.items() if k[1] == 0}
-    samples = overhead.bootstrap([one], variants, samples=50)
-    assert overhead.intervals(samples, target=0.25)["ci90"]["kept"] == [0.25, 0.25]
+    samples = stats.bootstrap([one], variants, samples=50)
+    assert stats.intervals(samples, target=0.25)["ci90"]["kept"] == [0.25, 0.25]
 
 
 def test_bootstrap_over_processes_draws_whole_processes_before_rounds():
-    overhead = _overhead_module()
+    stats = _stats_module()
 
     # Process A ran 1 round, B 3; one instance each, control equal to plain.
     # Kept's overhead is 0.25 in A's round and 0.75 in each of B's. A
@@ -212,7 +217,7 @@ def test_bootstrap_over_processes_draws_whole_processes_before_rounds():
         return {("plain", 0): machine, ("control", 0): machine, ("kept", 0): kept * machine}
 
     runs = [run([1.0], 1.25), run([1.0, 2.0, 4.0], 1.75)]
-    samples = overhead.bootstrap(runs, ["plain", "control", "kept"], samples=400)
+    samples = stats.bootstrap(runs, ["plain", "control", "kept"], samples=400)
     assert set(np.unique(samples["kept"])) == {0.25, 0.75}
     # AA has probability 1/4.
     assert 0.15 < np.mean(samples["kept"] == 0.25) < 0.35
@@ -220,7 +225,7 @@ def test_bootstrap_over_processes_draws_whole_processes_before_rounds():
 
     # The combined config pools the rounds of both, in turn: per round
     # 0.25, 0.75, 0.75, 0.75, so the median is 0.75.
-    found = overhead.config_result(
+    found = stats.config_result(
         [{k: np.stack([t, t], axis=1) for k, t in r.items()} for r in runs],
         ["plain", "control", "kept"],
         target=0.5,
