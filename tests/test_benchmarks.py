@@ -20,6 +20,7 @@ VARIANTS = ["plain", "control", "kept", "every10", "hand", "floor", "recompute"]
 STATS = {"median", "q25", "q75"}
 
 
+@pytest.mark.slow
 def test_overhead_smoke_writes_every_promised_number(tmp_path):
     out = tmp_path / "smoke.json"
     proc = subprocess.run(
@@ -237,6 +238,7 @@ def test_bootstrap_over_processes_draws_whole_processes_before_rounds():
     assert found["meets_target"] is False
 
 
+@pytest.mark.slow
 def test_overhead_in_processes_pools_their_rounds(tmp_path):
     out = tmp_path / "processes.json"
     proc = subprocess.run(

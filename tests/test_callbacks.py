@@ -19,23 +19,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import Recorder
 from conftest import free_ports
 from tensorboard.backend.event_processing import event_accumulator
 
 import keras_keepgrad as kg
 from keras_keepgrad import _tb_panels
 from keras_keepgrad import callbacks
-
-
-class Recorder(keras.callbacks.Callback):
-    """Copies the kept gradients at every `on_train_batch_end`."""
-
-    def __init__(self):
-        super().__init__()
-        self.grads = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.grads.append({p: t.numpy() for p, t in self.model.get_gradients_by_path().items()})
 
 
 def hand_model(lr=0.1, optimizer=None, keep_every=1, **compile_kwargs):
@@ -231,6 +221,7 @@ def test_heatmap_columns_of_a_long_run_cover_equal_spans():
     assert heatmap.steps[-2:] == [3000, 3001] and len(heatmap.columns) == 751
 
 
+@pytest.mark.slow
 def test_tensorboard_server_serves_the_gradient_panels(hand_run, tmp_path):
     log_dir, _ = hand_run
     (port,) = free_ports(1)
@@ -777,8 +768,3 @@ def test_callbacks_need_a_model_that_keeps_gradients(tmp_path):
     model.keep_gradients = False
     with pytest.raises(ValueError, match=r"GradientSnapshot .*`keep_gradients=False`"):
         model.fit(x, y, verbose=0, callbacks=[callbacks.GradientSnapshot(tmp_path / "g.npz")])
-
-
-def test_package_exposes_callbacks():
-    assert kg.callbacks.GradientTensorBoard is callbacks.GradientTensorBoard
-    assert issubclass(kg.callbacks.GradientTensorBoard, keras.callbacks.TensorBoard)

@@ -20,17 +20,13 @@ from conftest import W0
 from conftest import X
 from conftest import Y
 from conftest import dense_0
+from conftest import one_weight
 
 import keras_keepgrad as kg
 from keras_keepgrad import metrics as kgm
 
 X3 = np.tile(X, (3, 1))  # three identical batches of two
 Y3 = np.tile(Y, (3, 1))
-
-
-def one_weight(cls=kg.KeepGradModel, dtype=None, **options):
-    inputs = keras.Input((1,))
-    return cls(inputs, dense_0(dtype=dtype)(inputs), **options)
 
 
 def chain(a=1.0, b=2.0, freeze_a=False):

@@ -23,14 +23,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import W0
+from conftest import Recorder
 from conftest import X
 from conftest import Y
 from conftest import dense_0
+from conftest import one_weight
+from conftest import python_env
 
 import keras_keepgrad as kg
 from keras_keepgrad import _saving
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRAD_KEY = "_kept_gradients/vars/0:dense_0%2Fkernel"
 
 # Models a fresh process must load from their registered names alone.
@@ -81,15 +83,14 @@ class PlainNet(keras.Model):
 # --- helpers ------------------------------------------------------------------
 
 
-def one_weight(cls=kg.KeepGradModel, name="net", layer="dense_0", **options):
-    inputs = keras.Input((1,))
-    model = cls(inputs, dense_0(name=layer)(inputs), name=name, **options)
+def compiled_one_weight(cls=kg.KeepGradModel, name="net", layer="dense_0", **options):
+    model = one_weight(cls, layer=layer, name=name, **options)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     return model
 
 
 def trained(cls=kg.KeepGradModel, steps=1, **options):
-    model = one_weight(cls, **options)
+    model = compiled_one_weight(cls, **options)
     model.fit(
         np.tile(X, (steps, 1)), np.tile(Y, (steps, 1)), batch_size=2, shuffle=False, verbose=0
     )
@@ -180,7 +181,7 @@ def test_files_hold_the_plain_arrays_and_gradients_only_on_request(
     ids=["untrained", "keep_gradients_off"],
 )
 def test_nothing_kept_means_nothing_saved(tmp_path, options, train):
-    model = trained(**options) if train else one_weight(**options)
+    model = trained(**options) if train else compiled_one_weight(**options)
     model.save_weights(tmp_path / "m.weights.h5")
     assert saved_gradients(tmp_path / "m.weights.h5") == {}
 
@@ -243,7 +244,7 @@ def test_load_restores_saved_gradients_exactly(tmp_path, suffix):
         model = keras.models.load_model(path)
         assert isinstance(model, kg.KeepGradModel)
     else:
-        model = one_weight()
+        model = compiled_one_weight()
         model.load_weights(path)
     # Before any training: dense slots made from the file.
     assert kernel_grad(model) == [[15.0]]
@@ -277,7 +278,7 @@ def test_a_file_without_gradients_leaves_them_alone(tmp_path):
 
 def test_keep_gradients_false_ignores_saved_gradients(tmp_path):
     save(trained(save_gradients=True), tmp_path / "m.weights.h5")
-    model = one_weight(keep_gradients=False)
+    model = compiled_one_weight(keep_gradients=False)
     model.load_weights(tmp_path / "m.weights.h5")
     assert model.get_weights()[0].tolist() == [[1.5]]
     assert model._keeper is None
@@ -537,7 +538,7 @@ def test_keras_archives_round_trip_in_a_fresh_process(tmp_path):
             out[name] = row
         print(json.dumps(out))
     """
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
+    env = python_env()
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
@@ -587,8 +588,8 @@ def test_model_checkpoint_files_follow_save_gradients(tmp_path, save_weights_onl
     # default, the gradients too when the model was asked to save them.
     suffix = ".weights.h5" if save_weights_only else ".keras"
     for name, model in (
-        ("plain", one_weight(keras.Model)),
-        ("kept", one_weight(save_gradients=save_gradients)),
+        ("plain", compiled_one_weight(keras.Model)),
+        ("kept", compiled_one_weight(save_gradients=save_gradients)),
     ):
         checkpoint = keras.callbacks.ModelCheckpoint(
             str(tmp_path / f"{name}{suffix}"), save_weights_only=save_weights_only
@@ -616,25 +617,12 @@ class _Interrupt(keras.callbacks.Callback):
             raise RuntimeError("interrupted")
 
 
-class _Recorder(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-        self.epoch = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen.append((self.epoch, batch, kernel_grad(self.model)[0][0]))
-
-
 def test_backup_and_restore_resumes_mid_epoch_with_gradients(tmp_path):
     # 2 epochs of 2 identical batches; each step halves w: 3, 1.5, 0.75, ...
     x, y = np.tile(X, (2, 1)), np.tile(Y, (2, 1))
     backup_dir = str(tmp_path / "backup")
 
-    model = one_weight()
+    model = compiled_one_weight()
     with pytest.raises(RuntimeError, match="interrupted"):
         model.fit(
             x,
@@ -655,8 +643,8 @@ def test_backup_and_restore_resumes_mid_epoch_with_gradients(tmp_path):
 
     # A new process would build the model afresh: so does this.
     keras.backend.clear_session()
-    model = one_weight()
-    recorder = _Recorder()
+    model = compiled_one_weight()
+    recorder = Recorder()
     history = model.fit(
         x,
         y,
@@ -667,7 +655,7 @@ def test_backup_and_restore_resumes_mid_epoch_with_gradients(tmp_path):
         callbacks=[keras.callbacks.BackupAndRestore(backup_dir, save_freq=1), recorder],
     )
     # Resumed at epoch 1 from w = 0.375 (Keras restarts the epoch's batches).
-    assert recorder.seen == [(1, 0, 1.875), (1, 1, 0.9375)]
+    assert list(zip(recorder.batches, recorder.seen)) == [((1, 0), 1.875), ((1, 1), 0.9375)]
     assert model.get_weights()[0].tolist() == [[0.09375]]
     assert int(model.optimizer.iterations) == 5
     assert len(history.history["loss"]) == 1
@@ -712,7 +700,7 @@ def test_mismatched_saved_gradients_raise_and_restore_nothing(tmp_path, value, m
 def test_gradients_for_other_variables_raise_and_load_nothing(tmp_path, suffix):
     path = tmp_path / f"m{suffix}"
     save(trained(save_gradients=True), path)  # w = 1.5
-    model = one_weight()
+    model = compiled_one_weight()
     model.layers[-1].trainable = False
     model.optimizer.build(model.trainable_variables)
     with pytest.raises(
@@ -739,7 +727,7 @@ def test_gradients_of_an_edited_file_raise(tmp_path):
     with h5py.File(path, "r+") as f:
         f["_kept_gradients/vars/kernel"] = np.zeros((1, 1), "float32")
     with pytest.raises(ValueError, match="Unexpected dataset 'kernel'"):
-        one_weight().load_weights(path)
+        compiled_one_weight().load_weights(path)
 
 
 @pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
@@ -770,8 +758,8 @@ def test_truncated_file_gives_keras_error_and_overwrites_nothing(tmp_path, suffi
 
 
 def test_state_is_one_object_per_model():
-    model = one_weight()
+    model = compiled_one_weight()
     state = _saving.kept_gradients_state(model)
     assert model._kept_gradients is state
     assert repr(state) == "<kept gradients of model 'net'>"
-    assert one_weight(name="other")._kept_gradients is not state
+    assert compiled_one_weight(name="other")._kept_gradients is not state

@@ -6,8 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO
+from conftest import python_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TUTORIALS = sorted(glob.glob(os.path.join(REPO, "tutorials", "*.py")))
 
 
@@ -22,9 +23,10 @@ def test_there_are_tutorials():
     } <= names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", TUTORIALS, ids=os.path.basename)
 def test_tutorial_runs(path, tmp_path):
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
+    env = python_env()
     result = subprocess.run(
         [sys.executable, path, "--fast"],
         cwd=tmp_path,
