@@ -52,17 +52,16 @@ class GradientSnapshot(keras.callbacks.Callback):
             `keep_gradients=False` (both at the start of `fit`).
         TypeError: The model is not a `KeepGradModel` (at the start of `fit`).
 
-    Example:
-
-    ```python
-    snapshot = kg.callbacks.GradientSnapshot("grads/{step:05d}.npz", every=100)
-    model.fit(x, y, epochs=3, callbacks=[snapshot])
-    data = np.load(snapshot.files[-1])
-    data["dense_0/kernel"], int(data["step"]), float(data["loss_scale"])
-    ```
+    Examples:
+        ```python
+        snapshot = kg.callbacks.GradientSnapshot("grads/{step:05d}.npz", every=100)
+        model.fit(x, y, epochs=3, callbacks=[snapshot])
+        data = np.load(snapshot.files[-1])
+        data["dense_0/kernel"], int(data["step"]), float(data["loss_scale"])
+        ```
     """
 
-    def __init__(self, path, every="epoch"):
+    def __init__(self, path: str | os.PathLike, every: str | int = "epoch") -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.every = _grad_stats.check_frequency("every", every, allow_batch=False)

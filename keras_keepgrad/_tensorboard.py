@@ -5,6 +5,7 @@ Conventions for steps and layers: see `keras_keepgrad.callbacks`.
 
 import os
 import warnings
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -77,26 +78,25 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             `keep_gradients=False` (both at the start of `fit`).
         TypeError: The model is not a `KeepGradModel` (at the start of `fit`).
 
-    Example:
-
-    ```python
-    model = kg.KeepGradModel(inputs, outputs)
-    model.compile(optimizer="adam", loss="mse")
-    model.fit(x, y, epochs=5, callbacks=[
-        kg.callbacks.GradientTensorBoard("logs", update_freq=10,
-                                         histogram_freq=1)])
-    # tensorboard --logdir logs  ->  Custom Scalars: "Gradient panels"
-    ```
+    Examples:
+        ```python
+        model = kg.KeepGradModel(inputs, outputs)
+        model.compile(optimizer="adam", loss="mse")
+        model.fit(x, y, epochs=5, callbacks=[
+            kg.callbacks.GradientTensorBoard("logs", update_freq=10,
+                                             histogram_freq=1)])
+        # tensorboard --logdir logs  ->  Custom Scalars: "Gradient panels"
+        ```
     """
 
     def __init__(
         self,
-        log_dir="logs",
-        histogram_freq=0,
-        update_freq="epoch",
-        write_heatmap=True,
-        **kwargs,
-    ):
+        log_dir: str | os.PathLike = "logs",
+        histogram_freq: int = 0,
+        update_freq: str | int = "epoch",
+        write_heatmap: bool = True,
+        **kwargs: Any,
+    ) -> None:
         update_freq = _grad_stats.check_frequency("update_freq", update_freq)
         histogram_freq = _grad_stats.check_non_negative_int("histogram_freq", histogram_freq)
         super().__init__(
