@@ -46,11 +46,13 @@ SIGNATURES = {
 
 
 def _public(module):
-    """Public attributes that are not modules (submodules, imported libraries)."""
+    """Public names defined in this package (not modules, not imported helpers)."""
     return {
         name
         for name, value in vars(module).items()
-        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+        if not name.startswith("_")
+        and not isinstance(value, types.ModuleType)
+        and getattr(value, "__module__", "").startswith("keras_keepgrad")
     }
 
 
