@@ -30,6 +30,9 @@ from conftest import REPO
 from conftest import free_ports
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Every test here reads the results of a subprocess on 2 logical CPUs or of
+# two worker processes.
+pytestmark = pytest.mark.slow
 TIMEOUT = 240
 _MARK = "@@RESULT@@"
 
@@ -236,7 +239,6 @@ def test_jit_compile_falls_back_with_a_warning(mirrored):
 # MultiWorkerMirroredStrategy ---------------------------------------------
 
 
-@pytest.mark.slow
 def test_multi_worker_fit_keeps_the_same_global_gradient(workers):
     for index, r in enumerate(workers):
         assert "error" not in r, r.get("error")
@@ -252,7 +254,6 @@ def test_multi_worker_fit_keeps_the_same_global_gradient(workers):
         assert r["replica_copies"] == [[[15.0]]]
 
 
-@pytest.mark.slow
 def test_multi_worker_keeps_a_sparse_gradient(workers):
     for r in workers:
         assert "embedding_error" not in r, r.get("embedding_error")
@@ -261,7 +262,6 @@ def test_multi_worker_keeps_a_sparse_gradient(workers):
         assert r["embedding_gradients"] == [[6.0] * 2, [18.0] * 2, [0.0] * 2, [6.0] * 2, [6.0] * 2]
 
 
-@pytest.mark.slow
 def test_plain_keras_fit_fails_under_multi_worker(workers):
     # keras-team/keras#20585: Keras 3.15's `_maybe_symbolic_build` reduces a
     # pulled batch with `strategy.reduce`, which fails on the PerReplica;

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 from conftest import python_env
 
@@ -30,6 +31,7 @@ def test_readme_has_the_demo_and_the_test_command():
     assert "bash .ci/fresh_venv_demo.sh" in ci
 
 
+@pytest.mark.slow
 def test_ten_line_example_prints_5():
     text = read_readme()
     example = text.split("## Ten lines")[1].split("```python\n")[1].split("```")[0]

@@ -489,6 +489,7 @@ def test_a_plain_archive_becomes_a_kept_model(tmp_path):
 # --- .keras in a fresh process -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_keras_archives_round_trip_in_a_fresh_process(tmp_path):
     (tmp_path / "saving_models.py").write_text(MODELS_MODULE)
     sys.path.insert(0, str(tmp_path))
