@@ -1,4 +1,4 @@
-"""What a gradient metric costs per training step (issue 3: at most 2%).
+"""What a gradient metric costs per training step (target: at most 2%).
 
 The reference is a `kg.KeepGradModel` compiled without gradient metrics:
 the metric's own cost is what `compile(metrics=[GradientNorm()])` adds on
@@ -41,18 +41,7 @@ On a machine shared with other jobs, wall-clock ratios scatter by +-15%
 per round; `--threads 1 --cpu-time` measures the CPU the steps use,
 which other jobs disturb far less.
 
-Measured on the development machine (2 shared CPU cores, TF 2.21, Keras
-3.15, 60 rounds), GradientNorm beyond control, median:
-
-- `--threads 1 --cpu-time`: +1.3% (ratio 1.017, IQR 0.996-1.035);
-  per-layer +1.9%; all six built-ins +12% (`UpdateRatio` copies the weights).
-- `--threads 1` (wall clock): +0.7% (ratio 0.993, IQR 0.950-1.143).
-- default threads, wall clock: +7% but not readable (the control's own
-  IQR was 0.89-1.15 under a load average of 5 on 2 cores).
-- `--jit --threads 1 --cpu-time`: +9.9%. XLA's CPU reductions run at about
-  1 ns per element (a 1M-entry norm ~0.9 ms, against ~0.1 ms for the fused
-  `l2_loss` kernel without XLA). Keras turns XLA off by default on
-  CPU-only machines.
+The results are in `benchmarks/README.md`.
 """
 
 import argparse
@@ -76,7 +65,7 @@ import tensorflow as tf  # noqa: E402
 import keras_keepgrad as kg  # noqa: E402
 from keras_keepgrad import metrics as kgm  # noqa: E402
 
-TARGET = 0.02  # GradientNorm: at most 2% step time (issue 3)
+TARGET = 0.02  # GradientNorm: at most 2% of a step
 
 MODES = {
     "full": dict(

@@ -22,7 +22,7 @@ Variants:
   batch.
 - `monitor`: `GradientMonitor()` (non-finite check every batch).
 
-Also printed: the median per-round ratio `grad_tb / keras_tb` (the issue's
+Also printed: the median per-round ratio `grad_tb / keras_tb` (the
 target: at most 1.03) and what `update_freq=1` adds per training step.
 Tracing and the first writer are excluded by one warm-up `fit` per variant.
 

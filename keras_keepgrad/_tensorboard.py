@@ -51,13 +51,10 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
     Layers are variable paths minus their last component; see the module
     docstring, also for steps under `steps_per_execution`.
 
-    Cost (`benchmarks/tensorboard_overhead.py`: a 1.06M-parameter MLP, 2
-    shared CPU cores): with `update_freq="epoch"` the gradients are read once
-    per epoch, about 6 ms per epoch more than `keras.callbacks.TensorBoard`
-    (0.5% of a 100-step epoch). With an integer `update_freq` each recorded
-    step reads all gradients and writes one scalar per layer: about 2 ms per
-    recorded step on that model (17% of its 12 ms step at `update_freq=1`);
-    a larger `update_freq` divides it.
+    Cost: with `update_freq="epoch"` the gradients are read once per epoch.
+    With an integer `update_freq` each recorded step reads all gradients and
+    writes one scalar per layer, so a larger `update_freq` divides the cost
+    (measured in `benchmarks/tensorboard_overhead.py`).
 
     Args:
         log_dir: Str or path. The directory to write to, as for

@@ -263,7 +263,7 @@ def test_multi_worker_keeps_a_sparse_gradient(workers):
 
 
 def test_plain_keras_fit_fails_under_multi_worker(workers):
-    # keras-team/keras#20585: Keras 3.15's `_maybe_symbolic_build` reduces a
+    # Keras 3.15's `_maybe_symbolic_build` reduces a
     # pulled batch with `strategy.reduce`, which fails on the PerReplica;
     # past that, its scalar logs fail `reduce(..., axis=0)`.
     for r in workers:

@@ -1,4 +1,4 @@
-"""Saving, against CONTRACT.md "What is kept" (saving lines) and issue 5.
+"""Saving: what Keras's files hold with and without the kept gradients.
 
 The one-weight model of conftest.py: one SGD(0.1) step on x = [[1], [2]],
 y = 0 keeps the gradient 5w = 15 and moves w from 3 to 1.5; each further

@@ -194,8 +194,8 @@ if not WORKER:
 # ## Part 4: several machines, `MultiWorkerMirroredStrategy`
 #
 # Each worker is a process with a `TF_CONFIG` naming the cluster and its own
-# index. Keras 3.15's own `fit` fails under this strategy
-# (keras-team/keras#20585, and the scalar logs after it);
+# index. Keras 3.15's own `fit` fails under this strategy (its build reduces
+# the per-replica batch, and its scalar logs lack the axis it reduces over);
 # `KeepGradModel.fit` works: it builds from the dataset's spec and gives the
 # logs the axis that Keras's cross-worker mean expects. Each worker trains on
 # its shard (`AutoShardPolicy.DATA`: worker 0 gets `x = 1`, worker 1
