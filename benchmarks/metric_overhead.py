@@ -1,4 +1,4 @@
-"""What a gradient metric costs per training step (issue 3: at most 2%).
+"""What a gradient metric costs per training step (target: at most 2%).
 
 The reference is a `kg.KeepGradModel` compiled without gradient metrics:
 the metric's own cost is what `compile(metrics=[GradientNorm()])` adds on
@@ -41,18 +41,7 @@ On a machine shared with other jobs, wall-clock ratios scatter by +-15%
 per round; `--threads 1 --cpu-time` measures the CPU the steps use,
 which other jobs disturb far less.
 
-Measured on the development machine (2 shared CPU cores, TF 2.21, Keras
-3.15, 60 rounds), GradientNorm beyond control, median:
-
-- `--threads 1 --cpu-time`: +1.3% (ratio 1.017, IQR 0.996-1.035);
-  per-layer +1.9%; all six built-ins +12% (`UpdateRatio` copies the weights).
-- `--threads 1` (wall clock): +0.7% (ratio 0.993, IQR 0.950-1.143).
-- default threads, wall clock: +7% but not readable (the control's own
-  IQR was 0.89-1.15 under a load average of 5 on 2 cores).
-- `--jit --threads 1 --cpu-time`: +9.9%. XLA's CPU reductions run at about
-  1 ns per element (a 1M-entry norm ~0.9 ms, against ~0.1 ms for the fused
-  `l2_loss` kernel without XLA). Keras turns XLA off by default on
-  CPU-only machines.
+The results are in `benchmarks/README.md`.
 """
 
 import argparse
@@ -76,13 +65,15 @@ import tensorflow as tf  # noqa: E402
 import keras_keepgrad as kg  # noqa: E402
 from keras_keepgrad import metrics as kgm  # noqa: E402
 
-TARGET = 0.02  # GradientNorm: at most 2% step time (issue 3)
+TARGET = 0.02  # GradientNorm: at most 2% of a step
 
 MODES = {
-    "full": dict(rounds=60, round_seconds=0.15,
-                 variants=("reference", "control", "grad_norm", "per_layer", "all")),
-    "quick": dict(rounds=15, round_seconds=0.05,
-                  variants=("reference", "control", "grad_norm")),
+    "full": dict(
+        rounds=60,
+        round_seconds=0.15,
+        variants=("reference", "control", "grad_norm", "per_layer", "all"),
+    ),
+    "quick": dict(rounds=15, round_seconds=0.05, variants=("reference", "control", "grad_norm")),
 }
 
 
@@ -159,11 +150,13 @@ def measure(mode, jit_compile, clock=time.perf_counter, log=print):
     params = int(sum(np.prod(v.shape) for v in entries["reference"][0].trainable_variables))
     one = min(run_steps(*entries["reference"], 3) / 3 for _ in range(2))
     steps = max(1, int(round(mode["round_seconds"] / one)))
-    log(f"{params:,} parameters, jit_compile={jit_compile}: {one * 1e3:.2f} ms/step "
-        f"(reference), {steps} steps/round, {mode['rounds']} rounds")
+    log(
+        f"{params:,} parameters, jit_compile={jit_compile}: {one * 1e3:.2f} ms/step "
+        f"(reference), {steps} steps/round, {mode['rounds']} rounds"
+    )
     times = {v: [] for v in variants}
     for r in range(mode["rounds"]):
-        rotated = variants[r % len(variants):] + variants[: r % len(variants)]
+        rotated = variants[r % len(variants) :] + variants[: r % len(variants)]
         gc.collect()
         gc.disable()
         try:
@@ -181,8 +174,13 @@ def measure(mode, jit_compile, clock=time.perf_counter, log=print):
             "ratio": _summary(ratio),
             "beyond_control": _summary(ratio - control),
         }
-    return {"params": params, "jit_compile": jit_compile, "steps_per_round": steps,
-            "rounds": mode["rounds"], "variants": results}
+    return {
+        "params": params,
+        "jit_compile": jit_compile,
+        "steps_per_round": steps,
+        "rounds": mode["rounds"],
+        "variants": results,
+    }
 
 
 def table(result):
@@ -205,12 +203,15 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="15 rounds, 3 variants")
     parser.add_argument("--jit", action="store_true", help="jit_compile=True")
     parser.add_argument(
-        "--cpu-time", action="store_true",
+        "--cpu-time",
+        action="store_true",
         help="time with the process's CPU time (all threads) instead of the "
         "wall clock: steadier on a machine shared with other jobs",
     )
     parser.add_argument(
-        "--threads", type=int, default=0,
+        "--threads",
+        type=int,
+        default=0,
         help="TensorFlow intra- and inter-op threads (0: TensorFlow's default)",
     )
     parser.add_argument("--out", help="also write the results as JSON here")
@@ -225,15 +226,19 @@ def main(argv=None):
         mode=mode_name,
         clock="cpu" if args.cpu_time else "wall",
         threads=args.threads or "default",
-        versions={"tensorflow": tf.__version__, "keras": keras.__version__,
-                  "python": platform.python_version()},
+        versions={
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+            "python": platform.python_version(),
+        },
         cpus=os.cpu_count(),
     )
     print(table(result))
     cost = result["variants"]["grad_norm"]["beyond_control"]["median"]
     verdict = "within" if cost <= TARGET else "OVER"
-    print(f"\nGradientNorm: {cost:+.2%} step time beyond control, {verdict} the "
-          f"{TARGET:.0%} budget.")
+    print(
+        f"\nGradientNorm: {cost:+.2%} step time beyond control, {verdict} the {TARGET:.0%} budget."
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

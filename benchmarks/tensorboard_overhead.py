@@ -22,7 +22,7 @@ Variants:
   batch.
 - `monitor`: `GradientMonitor()` (non-finite check every batch).
 
-Also printed: the median per-round ratio `grad_tb / keras_tb` (the issue's
+Also printed: the median per-round ratio `grad_tb / keras_tb` (the
 target: at most 1.03) and what `update_freq=1` adds per training step.
 Tracing and the first writer are excluded by one warm-up `fit` per variant.
 
@@ -210,9 +210,10 @@ def main(argv=None):
     dataset = tf.data.Dataset.from_tensors(batch).repeat()
     root = tempfile.mkdtemp(prefix="tb_overhead_")
     steps = mode["steps_per_epoch"] * mode["epochs"]
+    cpu = platform.processor() or platform.machine()
     print(
         f"{params:,} parameters; {mode['rounds']} rounds of {mode['epochs']} epochs x "
-        f"{mode['steps_per_epoch']} steps per variant; {platform.processor() or platform.machine()}, "
+        f"{mode['steps_per_epoch']} steps per variant; {cpu}, "
         f"{os.cpu_count()} CPUs, TF {tf.__version__}, Keras {keras.__version__}",
         flush=True,
     )
@@ -225,7 +226,7 @@ def main(argv=None):
         times = {v: [] for v in VARIANTS}
         order = list(VARIANTS)
         for r in range(mode["rounds"]):
-            rotated = order[r % len(order):] + order[: r % len(order)]
+            rotated = order[r % len(order) :] + order[: r % len(order)]
             gc.collect()
             gc.disable()
             try:
@@ -294,9 +295,7 @@ def report(times, steps, steps_per_epoch):
         f"{hooks[0] / epochs:.1f} ms per epoch, {hooks[0] / epochs / epoch_ms:.2%} of a "
         f"{steps_per_epoch}-step epoch ({epoch_ms:.0f} ms)"
     )
-    per_step = summary(
-        (series("grad_tb_1", "train") - series("keras_tb_1", "train")) / steps * 1e3
-    )
+    per_step = summary((series("grad_tb_1", "train") - series("keras_tb_1", "train")) / steps * 1e3)
     print(
         f"update_freq=1 adds {per_step[0]:.2f} ms per step beyond keras "
         f"TensorBoard(update_freq=1) [IQR {per_step[1]:.2f}, {per_step[2]:.2f}], "
@@ -316,6 +315,7 @@ def report(times, steps, steps_per_epoch):
         f"[IQR {monitor[1]:.2f}, {monitor[2]:.2f}], {monitor[0] / step_ms:.1%}; "
         f"{np.median(series('monitor', 'hooks')) / steps * 1e3:.2f} ms per step in its hooks"
     )
+
 
 if __name__ == "__main__":
     main()

@@ -55,8 +55,9 @@ def _sum_squares(grads):
     One dispatch for all variables (per-variable eager ops would cost more
     than the reductions), module-level so that every callback on the same
     model reuses one trace; `GradientNorms` calls its concrete function,
-    which skips the argument matching of each `tf.function` call. Summed in float32 (float64 gradients in float64);
-    only if that overflows or meets a NaN or inf, everything is summed again
+    which skips the argument matching of each `tf.function` call. Summed in
+    float32 (float64 gradients in float64); only if that overflows or meets
+    a NaN or inf, everything is summed again
     in float64, where a sum is non-finite exactly when an element is (up to
     float64 gradients above ~1e154).
     """
@@ -109,9 +110,7 @@ class GradientNorms:
         for path in self.paths:
             layers.setdefault(layer_of(path), len(layers))
         self.layers = tuple(layers)
-        self._layer_index = np.array(
-            [layers[layer_of(p)] for p in self.paths], dtype=np.int64
-        )
+        self._layer_index = np.array([layers[layer_of(p)] for p in self.paths], dtype=np.int64)
         self._concrete = None
 
     def __call__(self, grads_by_path):

@@ -79,30 +79,29 @@ class GradientMonitor(keras.callbacks.Callback):
             `keep_gradients=False` (at the start of `fit`).
         TypeError: The model is not a `KeepGradModel` (at the start of `fit`).
 
-    Example:
-
-    ```python
-    monitor = kg.callbacks.GradientMonitor(action="stop",
-                                           exploding_factor=10.0)
-    model.fit(x, y, callbacks=[monitor])
-    monitor.events
-    # [{'kind': 'nonfinite', 'step': 7, 'epoch': 0, 'layers': ['dense_1'],
-    #   'message': 'Step 7: non-finite gradients (NaN or inf) in 1 of 3 ...'}]
-    ```
+    Examples:
+        ```python
+        monitor = kg.callbacks.GradientMonitor(action="stop",
+                                               exploding_factor=10.0)
+        model.fit(x, y, callbacks=[monitor])
+        monitor.events
+        # [{'kind': 'nonfinite', 'step': 7, 'epoch': 0, 'layers': ['dense_1'],
+        #   'message': 'Step 7: non-finite gradients (NaN or inf) in 1 of 3 ...'}]
+        ```
     """
 
     def __init__(
         self,
-        action="warn",
-        check_nonfinite=True,
-        min_loss_scale=1.0,
-        vanishing_threshold=None,
-        vanishing_steps=10,
-        exploding_threshold=None,
-        exploding_factor=None,
-        median_window=100,
-        check_freq=1,
-    ):
+        action: str = "warn",
+        check_nonfinite: bool = True,
+        min_loss_scale: float | None = 1.0,
+        vanishing_threshold: float | None = None,
+        vanishing_steps: int = 10,
+        exploding_threshold: float | None = None,
+        exploding_factor: float | None = None,
+        median_window: int = 100,
+        check_freq: int = 1,
+    ) -> None:
         super().__init__()
         if action not in _ACTIONS:
             raise ValueError(
@@ -186,8 +185,7 @@ class GradientMonitor(keras.callbacks.Callback):
             if scale >= self.min_loss_scale:
                 return  # The optimizer skipped the step and lowered its scale.
             note = (
-                f" The loss scale fell to {scale:g}, below "
-                f"min_loss_scale={self.min_loss_scale:g}."
+                f" The loss scale fell to {scale:g}, below min_loss_scale={self.min_loss_scale:g}."
             )
         if self._nonfinite_active:
             return
@@ -224,9 +222,7 @@ class GradientMonitor(keras.callbacks.Callback):
         reason = None
         if self.exploding_threshold is not None and value > self.exploding_threshold:
             reason = f"above exploding_threshold={self.exploding_threshold:g}"
-        elif self.exploding_factor is not None and len(self._recent) >= min(
-            10, self.median_window
-        ):
+        elif self.exploding_factor is not None and len(self._recent) >= min(10, self.median_window):
             median = float(np.median(self._recent))
             if median > 0 and value > self.exploding_factor * median:
                 reason = (

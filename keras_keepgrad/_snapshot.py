@@ -52,17 +52,16 @@ class GradientSnapshot(keras.callbacks.Callback):
             `keep_gradients=False` (both at the start of `fit`).
         TypeError: The model is not a `KeepGradModel` (at the start of `fit`).
 
-    Example:
-
-    ```python
-    snapshot = kg.callbacks.GradientSnapshot("grads/{step:05d}.npz", every=100)
-    model.fit(x, y, epochs=3, callbacks=[snapshot])
-    data = np.load(snapshot.files[-1])
-    data["dense_0/kernel"], int(data["step"]), float(data["loss_scale"])
-    ```
+    Examples:
+        ```python
+        snapshot = kg.callbacks.GradientSnapshot("grads/{step:05d}.npz", every=100)
+        model.fit(x, y, epochs=3, callbacks=[snapshot])
+        data = np.load(snapshot.files[-1])
+        data["dense_0/kernel"], int(data["step"]), float(data["loss_scale"])
+        ```
     """
 
-    def __init__(self, path, every="epoch"):
+    def __init__(self, path: str | os.PathLike, every: str | int = "epoch") -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.every = _grad_stats.check_frequency("every", every, allow_batch=False)
@@ -105,9 +104,7 @@ class GradientSnapshot(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         previous = self._steps.end_batch(batch, self.params)
-        if self.every != "epoch" and _grad_stats.crossed(
-            previous, self._steps.step, self.every
-        ):
+        if self.every != "epoch" and _grad_stats.crossed(previous, self._steps.step, self.every):
             self._write()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -129,15 +126,12 @@ class GradientSnapshot(keras.callbacks.Callback):
             arrays[path] = grad.numpy()
         arrays["step"] = np.int64(step)
         arrays["epoch"] = np.int64(epoch)
-        arrays["loss_scale"] = np.float64(
-            _grad_stats.loss_scale_of(self.model.optimizer)
-        )
+        arrays["loss_scale"] = np.float64(_grad_stats.loss_scale_of(self.model.optimizer))
         try:
             _atomic_savez(filename, arrays)
         except OSError as error:
             warnings.warn(
-                f"GradientSnapshot could not write {filename!r}: {error}. "
-                "Training continues.",
+                f"GradientSnapshot could not write {filename!r}: {error}. Training continues.",
                 stacklevel=2,
             )
             return

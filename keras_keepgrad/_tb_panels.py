@@ -66,9 +66,7 @@ def write_layout(loss_scaled):
     ]
     if loss_scaled:
         charts.append(chart("Loss scale", "^" + re.escape(LOSS_SCALE_TAG) + "$"))
-    layout = layout_pb2.Layout(
-        category=[layout_pb2.Category(title=LAYOUT_TITLE, chart=charts)]
-    )
+    layout = layout_pb2.Layout(category=[layout_pb2.Category(title=LAYOUT_TITLE, chart=charts)])
     tf.summary.write(
         tag=metadata.CONFIG_SUMMARY_TAG,
         tensor=tf.constant(layout.SerializeToString()),
@@ -111,9 +109,7 @@ class ScalarWriter:
             self._write_all(values, step)
             return
         if self._function is None:
-            self._function = tf.function(
-                self._write_all, autograph=False
-            ).get_concrete_function(
+            self._function = tf.function(self._write_all, autograph=False).get_concrete_function(
                 tf.TensorSpec([len(self.tags)], tf.float32),
                 tf.TensorSpec([], tf.int64),
             )

@@ -5,6 +5,7 @@ Conventions for steps and layers: see `keras_keepgrad.callbacks`.
 
 import os
 import warnings
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -50,13 +51,10 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
     Layers are variable paths minus their last component; see the module
     docstring, also for steps under `steps_per_execution`.
 
-    Cost (`benchmarks/tensorboard_overhead.py`: a 1.06M-parameter MLP, 2
-    shared CPU cores): with `update_freq="epoch"` the gradients are read once
-    per epoch, about 6 ms per epoch more than `keras.callbacks.TensorBoard`
-    (0.5% of a 100-step epoch). With an integer `update_freq` each recorded
-    step reads all gradients and writes one scalar per layer: about 2 ms per
-    recorded step on that model (17% of its 12 ms step at `update_freq=1`);
-    a larger `update_freq` divides it.
+    Cost: with `update_freq="epoch"` the gradients are read once per epoch.
+    With an integer `update_freq` each recorded step reads all gradients and
+    writes one scalar per layer, so a larger `update_freq` divides the cost
+    (measured in `benchmarks/tensorboard_overhead.py`).
 
     Args:
         log_dir: Str or path. The directory to write to, as for
@@ -77,26 +75,25 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             `keep_gradients=False` (both at the start of `fit`).
         TypeError: The model is not a `KeepGradModel` (at the start of `fit`).
 
-    Example:
-
-    ```python
-    model = kg.KeepGradModel(inputs, outputs)
-    model.compile(optimizer="adam", loss="mse")
-    model.fit(x, y, epochs=5, callbacks=[
-        kg.callbacks.GradientTensorBoard("logs", update_freq=10,
-                                         histogram_freq=1)])
-    # tensorboard --logdir logs  ->  Custom Scalars: "Gradient panels"
-    ```
+    Examples:
+        ```python
+        model = kg.KeepGradModel(inputs, outputs)
+        model.compile(optimizer="adam", loss="mse")
+        model.fit(x, y, epochs=5, callbacks=[
+            kg.callbacks.GradientTensorBoard("logs", update_freq=10,
+                                             histogram_freq=1)])
+        # tensorboard --logdir logs  ->  Custom Scalars: "Gradient panels"
+        ```
     """
 
     def __init__(
         self,
-        log_dir="logs",
-        histogram_freq=0,
-        update_freq="epoch",
-        write_heatmap=True,
-        **kwargs,
-    ):
+        log_dir: str | os.PathLike = "logs",
+        histogram_freq: int = 0,
+        update_freq: str | int = "epoch",
+        write_heatmap: bool = True,
+        **kwargs: Any,
+    ) -> None:
         update_freq = _grad_stats.check_frequency("update_freq", update_freq)
         histogram_freq = _grad_stats.check_non_negative_int("histogram_freq", histogram_freq)
         super().__init__(
@@ -115,9 +112,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     def set_model(self, model):
         # Fail at `fit`'s start with a clear message, not from the writer.
-        _grad_stats.check_writable_dir(
-            os.path.join(self.log_dir, "train"), "log_dir", self.log_dir
-        )
+        _grad_stats.check_writable_dir(os.path.join(self.log_dir, "train"), "log_dir", self.log_dir)
         super().set_model(model)
 
     def on_train_begin(self, logs=None):
@@ -134,11 +129,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self._count_skipped = self._loss_scaled and not getattr(
             optimizer.inner_optimizer, "gradient_accumulation_steps", None
         )
-        self._iterations_at_begin = (
-            int(optimizer.iterations.numpy())
-            if self._count_skipped
-            else 0
-        )
+        self._iterations_at_begin = int(optimizer.iterations.numpy()) if self._count_skipped else 0
         traced = self.update_freq != "epoch"
         tags = [_tb_panels.layer_norm_tag(layer) for layer in self._norms.layers]
         tags += [_tb_panels.GLOBAL_NORM_TAG, _tb_panels.NONFINITE_TAG]

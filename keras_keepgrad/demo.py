@@ -104,8 +104,7 @@ def run(kind, x, y, epochs, logdir, verbose):
     model.compile(
         optimizer=keras.optimizers.SGD(0.05),
         loss="binary_crossentropy",
-        metrics=[kg.metrics.GradientNorm(),
-                 kg.metrics.VanishingGradients(threshold=VANISHING)],
+        metrics=[kg.metrics.GradientNorm(), kg.metrics.VanishingGradients(threshold=VANISHING)],
     )
     norms = LayerNorms()
     monitor = kg.callbacks.GradientMonitor(
@@ -117,8 +116,9 @@ def run(kind, x, y, epochs, logdir, verbose):
     with warnings.catch_warnings():
         # The monitor's findings are summarized below, not warned one by one.
         warnings.filterwarnings("ignore", message="GradientMonitor", category=UserWarning)
-        history = model.fit(x, y, batch_size=128, epochs=epochs, verbose=verbose,
-                            callbacks=[norms, monitor, board])
+        history = model.fit(
+            x, y, batch_size=128, epochs=epochs, verbose=verbose, callbacks=[norms, monitor, board]
+        )
     path = os.path.join(logdir, f"{kind}_grad_norms.csv")
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
@@ -129,10 +129,12 @@ def run(kind, x, y, epochs, logdir, verbose):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m keras_keepgrad.demo",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--logdir", default="runs/demo",
-                        help="where to write the logs (default: runs/demo)")
+    parser = argparse.ArgumentParser(
+        prog="python -m keras_keepgrad.demo", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--logdir", default="runs/demo", help="where to write the logs (default: runs/demo)"
+    )
     parser.add_argument("--epochs", type=int, default=3, help="epochs per model (default: 3)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -150,17 +152,22 @@ def main(argv=None):
     start = time.time()
     for kind in ("sigmoid", "relu_bn"):
         print(f"\n== {kind}: 8 hidden layers, {len(x)} synthetic samples ==")
-        history, norms, path, monitor = run(kind, x, y, args.epochs, args.logdir,
-                                            verbose=0 if args.quiet else 2)
-        print(f"final loss {history['loss'][-1]:.4f}, grad_norm {history['grad_norm'][-1]:.3e}, "
-              f"vanishing layers {history['grad_vanishing'][-1]:.0%}; "
-              f"per-step norms in {path}")
+        history, norms, path, monitor = run(
+            kind, x, y, args.epochs, args.logdir, verbose=0 if args.quiet else 2
+        )
+        print(
+            f"final loss {history['loss'][-1]:.4f}, grad_norm {history['grad_norm'][-1]:.3e}, "
+            f"vanishing layers {history['grad_vanishing'][-1]:.0%}; "
+            f"per-step norms in {path}"
+        )
         for event in monitor.events:
             print(f"GradientMonitor: {event['message']}")
         print()
         print(health_table(norms))
-    print(f"\nDone in {time.time() - start:.1f} s. Gradient panels: "
-          f"tensorboard --logdir {args.logdir}")
+    print(
+        f"\nDone in {time.time() - start:.1f} s. Gradient panels: "
+        f"tensorboard --logdir {args.logdir}"
+    )
     return 0
 
 

@@ -18,6 +18,8 @@ nothing to report (no training step since the last reset).
 
 import math
 import numbers
+from collections.abc import Callable
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -113,26 +115,31 @@ class GradientMetric(keras.metrics.Metric):
         ValueError: `reduction` is not one of the above, or a `dtype` other
             than float32 is requested.
 
-    Example:
+    Examples:
+        ```python
+        # With a layer `keras.layers.Dense(..., name="dense")`:
+        def max_kernel_grad(grads):
+            return keras.ops.max(keras.ops.abs(grads["dense"]["kernel"]))
 
-    ```python
-    # With a layer `keras.layers.Dense(..., name="dense")`:
-    def max_kernel_grad(grads):
-        return keras.ops.max(keras.ops.abs(grads["dense"]["kernel"]))
-
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-                  metrics=["mae", kg.metrics.GradientNorm(),
-                           kg.metrics.GradientMetric(max_kernel_grad,
-                                                     reduction="last")])
-    history = model.fit(x, y, epochs=2)
-    history.history["max_kernel_grad"]  # one value per epoch
-    ```
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      metrics=["mae", kg.metrics.GradientNorm(),
+                               kg.metrics.GradientMetric(max_kernel_grad,
+                                                         reduction="last")])
+        history = model.fit(x, y, epochs=2)
+        history.history["max_kernel_grad"]  # one value per epoch
+        ```
     """
 
     # The log key that `name=None` stands for; None: from `fn`.
     _default_name = None
 
-    def __init__(self, fn, name=None, reduction="mean", **kwargs):
+    def __init__(
+        self,
+        fn: Callable[[dict], Any] | None,
+        name: str | None = None,
+        reduction: str = "mean",
+        **kwargs: Any,
+    ) -> None:
         dtype = kwargs.pop("dtype", None)
         if dtype is not None and keras.backend.standardize_dtype(dtype) != "float32":
             raise ValueError(
@@ -204,8 +211,7 @@ class GradientMetric(keras.metrics.Metric):
         value = self.fn(nested)
         if value is None:
             raise ValueError(
-                f"The `fn` of GradientMetric {self.name!r} must return a "
-                "scalar. Received: None"
+                f"The `fn` of GradientMetric {self.name!r} must return a scalar. Received: None"
             )
         value = tf.convert_to_tensor(value)
         if value.shape.rank != 0:
@@ -316,9 +322,7 @@ class GradientMetric(keras.metrics.Metric):
                 return {}
             if tf.executing_eagerly() and float(self._count.numpy()) == 0.0:
                 return {}
-        count = tf.convert_to_tensor(
-            self._count if self._counted is None else self._counted
-        )
+        count = tf.convert_to_tensor(self._count if self._counted is None else self._counted)
         results = {}
         for key in self._keys:
             value = tf.convert_to_tensor(self._state[key])
@@ -384,28 +388,33 @@ class GradientNorm(_PerLayerMixin, GradientMetric):
             `GradientMetric`. Defaults to `"mean"`.
         **kwargs: Passed on to `GradientMetric`.
 
-    Example:
+    Examples:
+        One weight w = 3, x = [[1], [2]], y = 0, mse: the gradient is 5w = 15,
+        and SGD(0.1) halves w every step:
 
-    One weight w = 3, x = [[1], [2]], y = 0, mse: the gradient is 5w = 15,
-    and SGD(0.1) halves w every step:
-
-    >>> import keras, numpy as np
-    >>> import keras_keepgrad as kg
-    >>> inputs = keras.Input((1,))
-    >>> dense = keras.layers.Dense(
-    ...     1, use_bias=False, kernel_initializer=keras.initializers.Constant(3.0))
-    >>> model = kg.KeepGradModel(inputs, dense(inputs))
-    >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-    ...               metrics=[kg.metrics.GradientNorm()])
-    >>> history = model.fit(np.array([[1.0], [2.0]]), np.zeros((2, 1)),
-    ...                     batch_size=2, epochs=3, verbose=0)
-    >>> history.history["grad_norm"]
-    [15.0, 7.5, 3.75]
+        >>> import keras, numpy as np
+        >>> import keras_keepgrad as kg
+        >>> inputs = keras.Input((1,))
+        >>> dense = keras.layers.Dense(
+        ...     1, use_bias=False, kernel_initializer=keras.initializers.Constant(3.0))
+        >>> model = kg.KeepGradModel(inputs, dense(inputs))
+        >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+        ...               metrics=[kg.metrics.GradientNorm()])
+        >>> history = model.fit(np.array([[1.0], [2.0]]), np.zeros((2, 1)),
+        ...                     batch_size=2, epochs=3, verbose=0)
+        >>> history.history["grad_norm"]
+        [15.0, 7.5, 3.75]
     """
 
     _default_name = "grad_norm"
 
-    def __init__(self, per_layer=False, name="grad_norm", reduction="mean", **kwargs):
+    def __init__(
+        self,
+        per_layer: bool = False,
+        name: str = "grad_norm",
+        reduction: str = "mean",
+        **kwargs: Any,
+    ) -> None:
         self.per_layer = _checks.check_bool("per_layer", per_layer)
         super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
 
@@ -437,7 +446,7 @@ class GradientMaxAbs(GradientMetric):
 
     _default_name = "grad_max_abs"
 
-    def __init__(self, name="grad_max_abs", reduction="max", **kwargs):
+    def __init__(self, name: str = "grad_max_abs", reduction: str = "max", **kwargs: Any) -> None:
         super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
 
     def _step_values(self, grads):
@@ -466,7 +475,7 @@ class NonFiniteGradients(GradientMetric):
 
     _default_name = "grad_nonfinite"
 
-    def __init__(self, name="grad_nonfinite", reduction="sum", **kwargs):
+    def __init__(self, name: str = "grad_nonfinite", reduction: str = "sum", **kwargs: Any) -> None:
         super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
 
     def _step_values(self, grads):
@@ -498,7 +507,13 @@ class VanishingGradients(GradientMetric):
 
     _default_name = "grad_vanishing"
 
-    def __init__(self, threshold=1e-7, name="grad_vanishing", reduction="mean", **kwargs):
+    def __init__(
+        self,
+        threshold: float = 1e-7,
+        name: str = "grad_vanishing",
+        reduction: str = "mean",
+        **kwargs: Any,
+    ) -> None:
         if (
             isinstance(threshold, bool)
             or not isinstance(threshold, numbers.Real)
@@ -555,19 +570,24 @@ class UpdateRatio(_PerLayerMixin, GradientMetric):
             `GradientMetric`. Defaults to `"mean"`.
         **kwargs: Passed on to `GradientMetric`.
 
-    Example:
-
-    ```python
-    # One weight w = 3, grad 5w = 15, SGD(0.1): w -> 1.5, ratio 1.5 / 3.
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-                  metrics=[kg.metrics.UpdateRatio()])
-    model.fit(x, y, batch_size=2).history["update_ratio"]  # [0.5]
-    ```
+    Examples:
+        ```python
+        # One weight w = 3, grad 5w = 15, SGD(0.1): w -> 1.5, ratio 1.5 / 3.
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      metrics=[kg.metrics.UpdateRatio()])
+        model.fit(x, y, batch_size=2).history["update_ratio"]  # [0.5]
+        ```
     """
 
     _default_name = "update_ratio"
 
-    def __init__(self, per_layer=False, name="update_ratio", reduction="mean", **kwargs):
+    def __init__(
+        self,
+        per_layer: bool = False,
+        name: str = "update_ratio",
+        reduction: str = "mean",
+        **kwargs: Any,
+    ) -> None:
         self.per_layer = _checks.check_bool("per_layer", per_layer)
         super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
         self._copies = _Holder()

@@ -7,6 +7,7 @@ import os
 import sys
 import types
 import warnings
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -129,24 +130,23 @@ class KeepGradModel(keras.Model):
         ValueError: `keep_every` is not a positive int; at `fit`, two
             trainable variables share a path (layers of the same `name`).
 
-    Example:
+    Examples:
+        >>> import keras, numpy as np
+        >>> import keras_keepgrad as kg
+        >>> inputs = keras.Input((1,))
+        >>> dense = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
+        ...                            name="doc_dense")
+        >>> model = kg.KeepGradModel(inputs, dense(inputs))
+        >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        >>> history = model.fit(np.array([[1.0], [2.0]]), np.zeros((2, 1)),
+        ...                     batch_size=2, verbose=0)
 
-    >>> import keras, numpy as np
-    >>> import keras_keepgrad as kg
-    >>> inputs = keras.Input((1,))
-    >>> dense = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
-    ...                            name="doc_dense")
-    >>> model = kg.KeepGradModel(inputs, dense(inputs))
-    >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    >>> history = model.fit(np.array([[1.0], [2.0]]), np.zeros((2, 1)),
-    ...                     batch_size=2, verbose=0)
+        loss = mean((w*x)^2), so d/dw = w * (1 + 4) = 5 at w = 1:
 
-    loss = mean((w*x)^2), so d/dw = w * (1 + 4) = 5 at w = 1:
-
-    >>> model.gradients["doc_dense"]["kernel"].numpy()
-    array([[5.]], dtype=float32)
-    >>> model.get_weights()[0]  # 1 - 0.1 * 5
-    array([[0.5]], dtype=float32)
+        >>> model.gradients["doc_dense"]["kernel"].numpy()
+        array([[5.]], dtype=float32)
+        >>> model.get_weights()[0]  # 1 - 0.1 * 5
+        array([[0.5]], dtype=float32)
     """
 
     def __new__(cls, *args, **kwargs):
@@ -156,8 +156,13 @@ class KeepGradModel(keras.Model):
         return super().__new__(cls)
 
     def __init__(
-        self, *args, keep_gradients=True, save_gradients=False, keep_every=1, **kwargs
-    ):
+        self,
+        *args: Any,
+        keep_gradients: bool = True,
+        save_gradients: bool = False,
+        keep_every: int = 1,
+        **kwargs: Any,
+    ) -> None:
         _compat.check_backend(type(self).__name__)
         _checks.check_bool("keep_gradients", keep_gradients)
         _checks.check_bool("save_gradients", save_gradients)
@@ -650,7 +655,7 @@ def _overridden_steps(cls):
     return found
 
 
-def keep_gradients(model, **options):
+def keep_gradients(model: keras.Model, **options: Any) -> "KeepGradModel":
     """Returns a `KeepGradModel` that trains `model`'s own variables.
 
     A functional or `Sequential` model (with an `Input`) becomes a functional
@@ -678,24 +683,23 @@ def keep_gradients(model, **options):
             `predict_step`, `compute_loss` or `compute_metrics`, which the
             returned model does not run.
 
-    Example:
-
-    >>> import keras, numpy as np
-    >>> import keras_keepgrad as kg
-    >>> plain = keras.Sequential([
-    ...     keras.Input((1,)),
-    ...     keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
-    ...                        name="dense")], name="doc_seq")
-    >>> model = kg.keep_gradients(plain)
-    >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    >>> history = model.fit(np.array([[1.0], [2.0]]), np.zeros((2, 1)),
-    ...                     batch_size=2, verbose=0)
-    >>> list(model.get_gradients_by_path())  # the original's variable paths
-    ['doc_seq/dense/kernel']
-    >>> model.gradients["doc_seq"]["dense"]["kernel"].numpy()
-    array([[5.]], dtype=float32)
-    >>> plain.get_weights()[0]  # the original model was trained
-    array([[0.5]], dtype=float32)
+    Examples:
+        >>> import keras, numpy as np
+        >>> import keras_keepgrad as kg
+        >>> plain = keras.Sequential([
+        ...     keras.Input((1,)),
+        ...     keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
+        ...                        name="dense")], name="doc_seq")
+        >>> model = kg.keep_gradients(plain)
+        >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        >>> history = model.fit(np.array([[1.0], [2.0]]), np.zeros((2, 1)),
+        ...                     batch_size=2, verbose=0)
+        >>> list(model.get_gradients_by_path())  # the original's variable paths
+        ['doc_seq/dense/kernel']
+        >>> model.gradients["doc_seq"]["dense"]["kernel"].numpy()
+        array([[5.]], dtype=float32)
+        >>> plain.get_weights()[0]  # the original model was trained
+        array([[0.5]], dtype=float32)
     """
     _compat.check_backend("keep_gradients()")
     if not isinstance(model, keras.Model):

@@ -8,6 +8,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+import keras_keepgrad as kg  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 # The one-weight model of the tests: a bias-free Dense(1) with w = 3,
 # x = [[1], [2]], y = 0, mse. loss = mean((w*x)^2) -> d/dw = w*(1+4) = 5w = 15,
 # and with SGD(0.1) the new weight is 3 - 0.1*15 = 1.5.
@@ -43,6 +47,57 @@ def dense_0(dtype=None, name="dense_0", w=W0):
         name=name,
         dtype=dtype,
     )
+
+
+def one_weight(cls=kg.KeepGradModel, dtype=None, layer="dense_0", **options):
+    """The one-weight model, uncompiled; `options` go to `cls`."""
+    inputs = keras.Input((1,))
+    return cls(inputs, dense_0(dtype=dtype, name=layer)(inputs), **options)
+
+
+def kernel(model):
+    """The kept gradient of the one-weight model's kernel."""
+    return model.gradients["dense_0"]["kernel"]
+
+
+class Recorder(keras.callbacks.Callback):
+    """Records the kept gradients after each training batch.
+
+    `seen`: the one-weight kernel's gradient as a float (None in a model
+    without one); `grads`: every gradient by path; `batches`: the
+    `(epoch, batch)` of each; `at_begin`: the kernel's at `on_train_begin`.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.grads, self.batches = [], [], []
+        self.at_begin = None
+        self._epoch = None
+
+    def _kernel(self):
+        layer = self.model.gradients.get("dense_0")
+        return None if layer is None or "kernel" not in layer else layer["kernel"]
+
+    def on_train_begin(self, logs=None):
+        # Before the first step of a new training function nothing is kept.
+        try:
+            self.at_begin = self._kernel()
+        except RuntimeError as error:
+            self.at_begin = error
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        found = self._kernel()
+        self.seen.append(None if found is None else float(found[0, 0]))
+        self.grads.append({p: t.numpy() for p, t in self.model.get_gradients_by_path().items()})
+        self.batches.append((self._epoch, batch))
+
+
+def python_env(**extra):
+    """The environment of a subprocess that imports this checkout's package."""
+    return dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3", **extra)
 
 
 def free_ports(n):

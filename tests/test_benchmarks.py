@@ -20,11 +20,19 @@ VARIANTS = ["plain", "control", "kept", "every10", "hand", "floor", "recompute"]
 STATS = {"median", "q25", "q75"}
 
 
+@pytest.mark.slow
 def test_overhead_smoke_writes_every_promised_number(tmp_path):
     out = tmp_path / "smoke.json"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "overhead.py"),
-         "--smoke", "--instances", "2", "--out", str(out)],
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "overhead.py"),
+            "--smoke",
+            "--instances",
+            "2",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -83,8 +91,10 @@ def test_overhead_smoke_writes_every_promised_number(tmp_path):
             low, high = found["kept_beyond_floor_ci90"]
             assert low <= high
         # Kept beyond the floor, per round: (kept - floor) / plain.
-        for key, times in (("kept_beyond_floor", "seconds_per_step"),
-                           ("cpu_kept_beyond_floor", "cpu_seconds_per_step")):
+        for key, times in (
+            ("kept_beyond_floor", "seconds_per_step"),
+            ("cpu_kept_beyond_floor", "cpu_seconds_per_step"),
+        ):
             t = {v: np.array(config[times][v]) for v in ("plain", "kept", "floor")}
             per_round = (t["kept"] - t["floor"]) / t["plain"]
             assert config[key]["median"] == np.percentile(per_round, 50)
@@ -116,15 +126,20 @@ def _overhead_module():
     return module
 
 
+def _stats_module():
+    _overhead_module()  # puts benchmarks/ on sys.path
+    return importlib.import_module("overhead_stats")
+
+
 def test_pass_order_puts_every_key_at_every_position_equally_often():
-    overhead = _overhead_module()
+    stats = _stats_module()
     for n_variants, instances in ((4, 2), (5, 2), (2, 1), (7, 1)):
         keys = [(v, i) for i in range(instances) for v in range(n_variants)]
         n = len(keys)
         for p in range(2):
             seen = collections.Counter()
             for r in range(n):
-                order = overhead.pass_order(keys, r, p, 2)
+                order = stats.pass_order(keys, r, p, 2)
                 assert sorted(order) == sorted(keys)
                 seen.update(enumerate(order))
             # Over n rounds each (position, key) pair once: each key first
@@ -132,12 +147,12 @@ def test_pass_order_puts_every_key_at_every_position_equally_often():
             assert len(seen) == n * n and set(seen.values()) == {1}
     # The passes of one round start at different keys.
     keys = list(range(8))
-    assert overhead.pass_order(keys, 3, 0, 2)[0] == 3
-    assert overhead.pass_order(keys, 3, 1, 2)[0] == 7
+    assert stats.pass_order(keys, 3, 0, 2)[0] == 3
+    assert stats.pass_order(keys, 3, 1, 2)[0] == 7
 
 
 def test_bootstrap_interval_spans_the_spread_between_model_objects():
-    overhead = _overhead_module()
+    stats = _stats_module()
     # Seconds per step in each round, per (variant, instance). The machine
     # slows down from round to round (1, 2, 4, 8) for every variant alike:
     # drawn paired, rounds cancel out of each ratio; drawn apart, they would
@@ -146,44 +161,52 @@ def test_bootstrap_interval_spans_the_spread_between_model_objects():
     # overhead over plain (control equal to plain) is 0.25, 0.5 or 0.75.
     machine = np.array([1.0, 2.0, 4.0, 8.0])
     fastest = {
-        ("plain", 0): machine, ("plain", 1): machine,
-        ("control", 0): machine, ("control", 1): machine,
-        ("kept", 0): 1.25 * machine, ("kept", 1): 1.75 * machine,
-        ("recompute", 0): 2.0 * machine, ("recompute", 1): 2.0 * machine,
+        ("plain", 0): machine,
+        ("plain", 1): machine,
+        ("control", 0): machine,
+        ("control", 1): machine,
+        ("kept", 0): 1.25 * machine,
+        ("kept", 1): 1.75 * machine,
+        ("recompute", 0): 2.0 * machine,
+        ("recompute", 1): 2.0 * machine,
     }
     variants = ["plain", "control", "kept", "recompute"]
-    samples = overhead.bootstrap([fastest], variants, samples=400)
+    samples = stats.bootstrap([fastest], variants, samples=400)
     assert set(np.unique(samples["kept"])) == {0.25, 0.5, 0.75}
     assert set(np.unique(samples["recompute"])) == {1.0}
 
-    found = overhead.intervals(samples, target=0.5)
+    found = stats.intervals(samples, target=0.5)
     assert found["ci90"]["kept"] == [0.25, 0.75]
     assert found["target_verdict"] == "undecided"
     # recompute / kept: 4, 2 or 4/3; the 5th percentile is the worst, 4/3.
     assert found["recompute_over_kept_low"] == 1.0 / 0.75
-    assert overhead.intervals(samples, target=0.75)["target_verdict"] == "met"
-    assert overhead.intervals(samples, target=0.125)["target_verdict"] == "missed"
+    assert stats.intervals(samples, target=0.75)["target_verdict"] == "met"
+    assert stats.intervals(samples, target=0.125)["target_verdict"] == "missed"
 
     # With a floor variant, kept's overhead beyond it: kept's mean is 1.25,
     # 1.5 or 1.75 times plain's and the floor's always 1.25, so 0, 0.25 or 0.5.
     fastest["floor", 0] = fastest["floor", 1] = 1.25 * machine
-    samples = overhead.bootstrap([fastest], variants + ["floor"], samples=400)
-    assert set(np.unique(samples[overhead.KEPT_BEYOND_FLOOR])) == {0.0, 0.25, 0.5}
-    found = overhead.intervals(samples, target=0.5)
+    samples = stats.bootstrap([fastest], variants + ["floor"], samples=400)
+    assert set(np.unique(samples[stats.KEPT_BEYOND_FLOOR])) == {0.0, 0.25, 0.5}
+    found = stats.intervals(samples, target=0.5)
     assert found["kept_beyond_floor_ci90"] == [0.0, 0.5]
     assert set(found["ci90"]) == {"plain", "control", "kept", "recompute", "floor"}
-    assert overhead.intervals(
-        overhead.bootstrap([fastest], variants, samples=10), target=0.5
-    )["kept_beyond_floor_ci90"] is None
+    assert (
+        stats.intervals(stats.bootstrap([fastest], variants, samples=10), target=0.5)[
+            "kept_beyond_floor_ci90"
+        ]
+        is None
+    )
 
     # One instance: only the rounds are drawn; identical rounds leave no spread.
     one = {k: v for k, v in fastest.items() if k[1] == 0}
-    samples = overhead.bootstrap([one], variants, samples=50)
-    assert overhead.intervals(samples, target=0.25)["ci90"]["kept"] == [0.25, 0.25]
+    samples = stats.bootstrap([one], variants, samples=50)
+    assert stats.intervals(samples, target=0.25)["ci90"]["kept"] == [0.25, 0.25]
 
 
 def test_bootstrap_over_processes_draws_whole_processes_before_rounds():
-    overhead = _overhead_module()
+    stats = _stats_module()
+
     # Process A ran 1 round, B 3; one instance each, control equal to plain.
     # Kept's overhead is 0.25 in A's round and 0.75 in each of B's. A
     # replicate draws 2 processes: AA pools 2 rounds at 0.25 (median 0.25);
@@ -192,11 +215,10 @@ def test_bootstrap_over_processes_draws_whole_processes_before_rounds():
     # 2 + 2, median 0.5: that value must never appear.
     def run(machine, kept):
         machine = np.asarray(machine)
-        return {("plain", 0): machine, ("control", 0): machine,
-                ("kept", 0): kept * machine}
+        return {("plain", 0): machine, ("control", 0): machine, ("kept", 0): kept * machine}
 
     runs = [run([1.0], 1.25), run([1.0, 2.0, 4.0], 1.75)]
-    samples = overhead.bootstrap(runs, ["plain", "control", "kept"], samples=400)
+    samples = stats.bootstrap(runs, ["plain", "control", "kept"], samples=400)
     assert set(np.unique(samples["kept"])) == {0.25, 0.75}
     # AA has probability 1/4.
     assert 0.15 < np.mean(samples["kept"] == 0.25) < 0.35
@@ -204,9 +226,10 @@ def test_bootstrap_over_processes_draws_whole_processes_before_rounds():
 
     # The combined config pools the rounds of both, in turn: per round
     # 0.25, 0.75, 0.75, 0.75, so the median is 0.75.
-    found = overhead.config_result(
+    found = stats.config_result(
         [{k: np.stack([t, t], axis=1) for k, t in r.items()} for r in runs],
-        ["plain", "control", "kept"], target=0.5,
+        ["plain", "control", "kept"],
+        target=0.5,
     )
     assert found["seconds_per_step"]["kept"] == [1.25, 1.75, 3.5, 7.0]
     assert found["beyond_control"]["kept"]["median"] == 0.75
@@ -215,12 +238,26 @@ def test_bootstrap_over_processes_draws_whole_processes_before_rounds():
     assert found["meets_target"] is False
 
 
+@pytest.mark.slow
 def test_overhead_in_processes_pools_their_rounds(tmp_path):
     out = tmp_path / "processes.json"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "overhead.py"),
-         "--smoke", "--processes", "2", "--models", "mlp_1m", "--variants",
-         "kept", "floor", "--no-memory", "--no-ops", "--out", str(out)],
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "overhead.py"),
+            "--smoke",
+            "--processes",
+            "2",
+            "--models",
+            "mlp_1m",
+            "--variants",
+            "kept",
+            "floor",
+            "--no-memory",
+            "--no-ops",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -264,8 +301,9 @@ def test_overhead_in_processes_pools_their_rounds(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps(other))
     combined_path = tmp_path / "combined.json"
     overhead = _overhead_module()
-    overhead.main(["--combine", str(out), str(tmp_path / "other.json"),
-                   "--out", str(combined_path)])
+    overhead.main(
+        ["--combine", str(out), str(tmp_path / "other.json"), "--out", str(combined_path)]
+    )
     combined = json.loads(combined_path.read_text())
     assert combined["sources"] == [str(out), str(tmp_path / "other.json")]
     (pooled,) = combined["configs"]
@@ -286,8 +324,12 @@ def test_overhead_in_processes_pools_their_rounds(tmp_path):
 def test_a_process_of_processes_times_only_itself_whatever_the_spelling():
     overhead = _overhead_module()
     parser = overhead.make_parser()
-    for argv in (["--processes", "3"], ["--processes=3"], ["--proc", "3"],
-                 ["--process=3", "--ou", "x.json"]):
+    for argv in (
+        ["--processes", "3"],
+        ["--processes=3"],
+        ["--proc", "3"],
+        ["--process=3", "--ou", "x.json"],
+    ):
         args = parser.parse_args(
             overhead.child_args(argv + ["--smoke", "--out", "y.json"], "p.json")
         )

@@ -19,25 +19,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import Recorder
 from conftest import free_ports
 from tensorboard.backend.event_processing import event_accumulator
 
 import keras_keepgrad as kg
 from keras_keepgrad import _tb_panels
 from keras_keepgrad import callbacks
-
-
-class Recorder(keras.callbacks.Callback):
-    """Copies the kept gradients at every `on_train_batch_end`."""
-
-    def __init__(self):
-        super().__init__()
-        self.grads = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.grads.append(
-            {p: t.numpy() for p, t in self.model.get_gradients_by_path().items()}
-        )
 
 
 def hand_model(lr=0.1, optimizer=None, keep_every=1, **compile_kwargs):
@@ -49,8 +37,7 @@ def hand_model(lr=0.1, optimizer=None, keep_every=1, **compile_kwargs):
         name="dense_0",
     )(inputs)
     model = kg.KeepGradModel(inputs, outputs, keep_every=keep_every)
-    model.compile(optimizer=optimizer or keras.optimizers.SGD(lr), loss="mse",
-                  **compile_kwargs)
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(lr), loss="mse", **compile_kwargs)
     return model
 
 
@@ -234,6 +221,7 @@ def test_heatmap_columns_of_a_long_run_cover_equal_spans():
     assert heatmap.steps[-2:] == [3000, 3001] and len(heatmap.columns) == 751
 
 
+@pytest.mark.slow
 def test_tensorboard_server_serves_the_gradient_panels(hand_run, tmp_path):
     log_dir, _ = hand_run
     (port,) = free_ports(1)
@@ -286,8 +274,7 @@ def test_tensorboard_server_serves_the_gradient_panels(hand_run, tmp_path):
         per_layer = category["chart"][0]["multiline"]["tag"][0]
         # The panel's pattern picks exactly the per-layer norms.
         matched = get(
-            "/data/plugin/custom_scalars/scalars?run=train&tag="
-            + urllib.request.quote(per_layer)
+            "/data/plugin/custom_scalars/scalars?run=train&tag=" + urllib.request.quote(per_layer)
         )
         assert list(matched["tag_to_events"]) == ["gradients/layer_norm/dense_0"]
         values = [e[2] for e in matched["tag_to_events"]["gradients/layer_norm/dense_0"]]
@@ -324,8 +311,7 @@ def test_tensorboard_steps_per_execution_validation_and_epoch_freq(tmp_path):
     assert len(recorder.grads) == 6
     reference = dict(zip([2, 4, 5, 7, 9, 10], map(layer_norms, recorder.grads)))
     globals_ = {
-        s: float(np.sqrt(sum(n**2 for n in norms.values())))
-        for s, norms in reference.items()
+        s: float(np.sqrt(sum(n**2 for n in norms.values()))) for s, norms in reference.items()
     }
     for name, steps in [("every_2", [2, 4, 7, 9, 10]), ("per_epoch", [5, 10])]:
         acc = read_run(str(tmp_path / name / "train"))
@@ -336,9 +322,7 @@ def test_tensorboard_steps_per_execution_validation_and_epoch_freq(tmp_path):
                 [v for _, v in written], [reference[s][layer] for s in steps], rtol=1e-6
             )
         written = scalars(acc, "gradients/global_norm")
-        np.testing.assert_allclose(
-            [v for _, v in written], [globals_[s] for s in steps], rtol=1e-6
-        )
+        np.testing.assert_allclose([v for _, v in written], [globals_[s] for s in steps], rtol=1e-6)
         # Keras's validation run is still there.
         val = read_run(str(tmp_path / name / "validation"))
         assert [e.step for e in val.Tensors("epoch_loss")] == [0, 1]
@@ -354,9 +338,7 @@ def mixed_float16():
 def test_mixed_precision_skipped_step_panels_and_snapshot(tmp_path, mixed_float16):
     # Batch 2 holds a NaN: the LossScaleOptimizer skips it and halves its
     # scale (8 -> 4); batch 3 sees w = 1.5 still, so 7.5.
-    optimizer = keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.SGD(0.1), initial_scale=8.0
-    )
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8.0)
     model = hand_model(optimizer=optimizer)
     x, y = hand_data(3)
     x[3, 0] = np.nan
@@ -391,9 +373,7 @@ def test_keep_every_optimizer_scalars_sit_at_the_current_step(tmp_path):
     # 4). After step 5 it applied 4 steps: 1 skipped; written at step 5,
     # not at the kept step 4 (where 4 - 4 applied would say 0, and step 4's
     # labels once read -1 without a skipped step).
-    optimizer = keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.SGD(0.0), initial_scale=8.0
-    )
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=8.0)
     model = hand_model(optimizer=optimizer, keep_every=3)
     x, y = hand_data(10)
     x[3, 0] = np.nan
@@ -450,9 +430,7 @@ def test_monitor_lists_nonfinite_layers_in_forward_order():
 def test_monitor_waits_for_the_loss_scale_then_raises():
     # Every batch is NaN. Scale 4 -> 2 -> 1 -> 0.5: only the third skipped
     # step leaves the scale below min_loss_scale=1.
-    optimizer = keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.SGD(0.1), initial_scale=4.0
-    )
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=4.0)
     model = hand_model(optimizer=optimizer)
     x, y = hand_data(5)
     y[:] = np.nan
@@ -488,12 +466,13 @@ def test_monitor_reports_explosions_by_threshold_and_by_median():
     by_threshold = callbacks.GradientMonitor(exploding_threshold=100.0)
     by_median = callbacks.GradientMonitor(exploding_factor=10.0, median_window=50)
     with pytest.warns(UserWarning) as caught:
-        model.fit(
-            x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[by_threshold, by_median]
-        )
+        model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[by_threshold, by_median])
     messages = [str(w.message) for w in caught]
     assert len(messages) == 2
-    assert "Step 12: exploding gradients: global norm 1500 is above exploding_threshold=100" in messages[0]
+    assert (
+        "Step 12: exploding gradients: global norm 1500 is above exploding_threshold=100"
+        in messages[0]
+    )
     assert "exploding_factor=10 times the median of the last 11 (15)" in messages[1]
     assert "'dense_0' (1500)" in messages[1]
     for monitor in (by_threshold, by_median):
@@ -518,9 +497,7 @@ def test_snapshot_files_equal_the_kept_gradients(tmp_path):
         verbose=0,
         callbacks=[recorder, every, latest],
     )
-    assert [os.path.basename(f) for f in every.files] == [
-        f"g-{s:03d}.npz" for s in (2, 4, 6, 8)
-    ]
+    assert [os.path.basename(f) for f in every.files] == [f"g-{s:03d}.npz" for s in (2, 4, 6, 8)]
     for filename, step in zip(every.files, (2, 4, 6, 8)):
         with np.load(filename) as data:
             assert int(data["step"]) == step and int(data["epoch"]) == (step - 1) // 4 + 1
@@ -553,12 +530,24 @@ def test_keep_every_callbacks_read_each_kept_step_once_at_its_step(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         history = model.fit(
-            x, y, batch_size=2, epochs=1, shuffle=False, verbose=0,
-            callbacks=[board, snapshot, monitor, recorder])
+            x,
+            y,
+            batch_size=2,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[board, snapshot, monitor, recorder],
+        )
     assert [str(w.message)[:46] for w in caught if w.category is UserWarning] == [
-        "GradientMonitor: Step 3: vanishing gradients: "]
+        "GradientMonitor: Step 3: vanishing gradients: "
+    ]
     assert [float(g["dense_0/kernel"][0, 0]) for g in recorder.grads] == [
-        15.0, 15.0, 3.75, 3.75, 0.9375]
+        15.0,
+        15.0,
+        3.75,
+        3.75,
+        0.9375,
+    ]
     expected = [(1, 15.0), (3, 3.75), (5, 0.9375)]
     acc = read_run(str(tmp_path / "logs" / "train"))
     assert scalars(acc, "gradients/layer_norm/dense_0") == expected
@@ -582,26 +571,36 @@ def test_keep_every_labels_a_read_step_with_the_epoch_it_ran_in(tmp_path):
     model = hand_model(lr=0.0, keep_every=2)
     x, y = hand_data(5)
     x[8:] *= 2.0
-    snapshot = callbacks.GradientSnapshot(
-        tmp_path / "e{epoch}_s{step}.npz", every=3
-    )
+    snapshot = callbacks.GradientSnapshot(tmp_path / "e{epoch}_s{step}.npz", every=3)
     monitor = callbacks.GradientMonitor(exploding_threshold=40.0, check_freq=3)
     with pytest.warns(UserWarning, match=r"Step 5: exploding gradients: global norm 60 "):
-        model.fit(x, y, batch_size=2, epochs=4, initial_epoch=2, shuffle=False,
-                  verbose=0, callbacks=[snapshot, monitor])
+        model.fit(
+            x,
+            y,
+            batch_size=2,
+            epochs=4,
+            initial_epoch=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[snapshot, monitor],
+        )
     found = []
     for filename in snapshot.files:
         with np.load(filename) as data:
-            found.append((os.path.basename(filename), int(data["step"]),
-                          int(data["epoch"]), float(data["dense_0/kernel"][0, 0])))
+            found.append(
+                (
+                    os.path.basename(filename),
+                    int(data["step"]),
+                    int(data["epoch"]),
+                    float(data["dense_0/kernel"][0, 0]),
+                )
+            )
     assert found == [
         ("e3_s3.npz", 3, 3, 15.0),
         ("e3_s5.npz", 5, 3, 60.0),
         ("e4_s9.npz", 9, 4, 15.0),
     ]
-    assert [(e["kind"], e["step"], e["epoch"]) for e in monitor.events] == [
-        ("exploding", 5, 2)
-    ]
+    assert [(e["kind"], e["step"], e["epoch"]) for e in monitor.events] == [("exploding", 5, 2)]
 
 
 def test_keep_every_labels_across_executions_and_fits(tmp_path):
@@ -617,8 +616,13 @@ def test_keep_every_labels_across_executions_and_fits(tmp_path):
         found = []
         for filename in snapshot.files:
             with np.load(filename) as data:
-                found.append((os.path.basename(filename), int(data["step"]),
-                              float(data["dense_0/kernel"][0, 0])))
+                found.append(
+                    (
+                        os.path.basename(filename),
+                        int(data["step"]),
+                        float(data["dense_0/kernel"][0, 0]),
+                    )
+                )
         return found
 
     # Fit 1: after step 2 the slots hold step 1's (one step old), after
@@ -674,7 +678,8 @@ def test_snapshot_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
         ),
         (
             lambda: callbacks.GradientTensorBoard(histogram_freq=-1),
-            "`histogram_freq` must be a non-negative int (0 disables it). Received: histogram_freq=-1",
+            "`histogram_freq` must be a non-negative int (0 disables it). "
+            "Received: histogram_freq=-1",
         ),
         (
             lambda: callbacks.GradientMonitor(action="panic"),
@@ -755,14 +760,11 @@ def test_callbacks_need_a_model_that_keeps_gradients(tmp_path):
     plain = keras.Model(inputs, keras.layers.Dense(1)(inputs))
     plain.compile(optimizer="sgd", loss="mse")
     x, y = hand_data(1)
-    with pytest.raises(TypeError, match=r"GradientMonitor needs a model that keeps gradients.*Functional"):
+    with pytest.raises(
+        TypeError, match=r"GradientMonitor needs a model that keeps gradients.*Functional"
+    ):
         plain.fit(x, y, verbose=0, callbacks=[callbacks.GradientMonitor()])
     model = hand_model()
     model.keep_gradients = False
     with pytest.raises(ValueError, match=r"GradientSnapshot .*`keep_gradients=False`"):
         model.fit(x, y, verbose=0, callbacks=[callbacks.GradientSnapshot(tmp_path / "g.npz")])
-
-
-def test_package_exposes_callbacks():
-    assert kg.callbacks.GradientTensorBoard is callbacks.GradientTensorBoard
-    assert issubclass(kg.callbacks.GradientTensorBoard, keras.callbacks.TensorBoard)

@@ -26,10 +26,13 @@ import warnings
 
 import numpy as np
 import pytest
+from conftest import REPO
 from conftest import free_ports
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+# Every test here reads the results of a subprocess on 2 logical CPUs or of
+# two worker processes.
+pytestmark = pytest.mark.slow
 TIMEOUT = 240
 _MARK = "@@RESULT@@"
 
@@ -71,7 +74,7 @@ def _result(process, timeout=TIMEOUT):
         pytest.fail(f"subprocess timed out after {timeout} s:\n{out[-2000:]}{err[-3000:]}")
     lines = [line for line in out.splitlines() if line.startswith(_MARK)]
     assert process.returncode == 0 and lines, out[-2000:] + err[-4000:]
-    return json.loads(lines[-1][len(_MARK):])
+    return json.loads(lines[-1][len(_MARK) :])
 
 
 # Fixtures: each subprocess runs once per test session ----------------------
@@ -269,12 +272,11 @@ def test_multi_worker_keeps_a_sparse_gradient(workers):
         assert "embedding_error" not in r, r.get("embedding_error")
         # Worker 0 has ids [1, 1, 3], worker 1 [0, 1, 4]; every output is 6,
         # d(loss)/d(output) = 6 per sample, 6 per occurrence of an id.
-        assert r["embedding_gradients"] == [[6.0] * 2, [18.0] * 2, [0.0] * 2,
-                                            [6.0] * 2, [6.0] * 2]
+        assert r["embedding_gradients"] == [[6.0] * 2, [18.0] * 2, [0.0] * 2, [6.0] * 2, [6.0] * 2]
 
 
 def test_plain_keras_fit_fails_under_multi_worker(workers):
-    # keras-team/keras#20585: Keras 3.15's `_maybe_symbolic_build` reduces a
+    # Keras 3.15's `_maybe_symbolic_build` reduces a
     # pulled batch with `strategy.reduce`, which fails on the PerReplica;
     # past that, its scalar logs fail `reduce(..., axis=0)`.
     for r in workers:
@@ -396,9 +398,7 @@ def _scenario_one_weight(strategy):
     }
     model.train_on_batch(np.asarray(X, "float32"), np.zeros((2, 1), "float32"))
     result["train_on_batch"] = _kernel(model)
-    result["evaluate"] = model.evaluate(
-        _dataset(X, Y, batch_size=2), verbose=0, return_dict=True
-    )
+    result["evaluate"] = model.evaluate(_dataset(X, Y, batch_size=2), verbose=0, return_dict=True)
     return result
 
 
@@ -513,7 +513,6 @@ def _mixed_run(cls, strategy):
     import keras
     import tensorflow as tf
 
-
     kept = cls is not keras.Model
     keras.config.set_dtype_policy("mixed_float16")
     try:
@@ -585,8 +584,9 @@ def _scenario_jit_compile(strategy):
     return {
         "plain_keras_error": plain_error,
         "warnings": [str(w.message) for w in caught if "jit_compile" in str(w.message)],
-        "warned_at": [os.path.basename(w.filename) for w in caught
-                      if "jit_compile" in str(w.message)],
+        "warned_at": [
+            os.path.basename(w.filename) for w in caught if "jit_compile" in str(w.message)
+        ],
         "jit_compile": model.jit_compile,
         "gradients": _kernel(model),
     }
@@ -729,4 +729,3 @@ def _worker_scenario():
     except Exception:
         result["embedding_error"] = traceback.format_exc()
     return result
-

@@ -20,17 +20,13 @@ from conftest import W0
 from conftest import X
 from conftest import Y
 from conftest import dense_0
+from conftest import one_weight
 
 import keras_keepgrad as kg
 from keras_keepgrad import metrics as kgm
 
 X3 = np.tile(X, (3, 1))  # three identical batches of two
 Y3 = np.tile(Y, (3, 1))
-
-
-def one_weight(cls=kg.KeepGradModel, dtype=None, **options):
-    inputs = keras.Input((1,))
-    return cls(inputs, dense_0(dtype=dtype)(inputs), **options)
 
 
 def chain(a=1.0, b=2.0, freeze_a=False):
@@ -76,16 +72,19 @@ def test_config_round_trip(metric):
     clone = type(metric).from_config(config)
     assert clone.get_config() == config
     assert clone.name == metric.name and clone.reduction == metric.reduction
-    revived = keras.saving.deserialize_keras_object(
-        keras.saving.serialize_keras_object(metric)
-    )
+    revived = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(metric))
     assert type(revived) is type(metric)
     assert revived.get_config() == config
 
 
 def test_builtin_names_and_defaults():
     assert [m.name for m in ALL[1:]] == [
-        "grad_norm", "gn", "grad_max_abs", "grad_nonfinite", "grad_vanishing", "update_ratio",
+        "grad_norm",
+        "gn",
+        "grad_max_abs",
+        "grad_nonfinite",
+        "grad_vanishing",
+        "update_ratio",
     ]
     assert kgm.GradientNorm().reduction == "mean"
     assert kgm.GradientMaxAbs().reduction == "max"
@@ -175,7 +174,10 @@ def test_per_layer_keys_and_values():
     assert history["update_ratio/b"] == [0.5]
     assert history["update_ratio"] == [1.0]  # sqrt(4 + 1) / sqrt(1 + 4)
     assert sorted(k for k in history if "/" in k) == [
-        "grad_norm/a", "grad_norm/b", "update_ratio/a", "update_ratio/b",
+        "grad_norm/a",
+        "grad_norm/b",
+        "update_ratio/a",
+        "update_ratio/b",
     ]
 
 
@@ -208,9 +210,9 @@ def test_sparse_gradients_sum_duplicate_rows(mode):
     # Both samples look up row 0 (value 3): loss = mean(e0^2) -> d/de0 = 6,
     # the sum of the two IndexedSlices rows of 3 each.
     inputs = keras.Input((1,), dtype="int32")
-    embedded = keras.layers.Embedding(3, 1, embeddings_initializer=keras.initializers.Constant(3.0))(
-        inputs
-    )
+    embedded = keras.layers.Embedding(
+        3, 1, embeddings_initializer=keras.initializers.Constant(3.0)
+    )(inputs)
     model = kg.KeepGradModel(inputs, keras.layers.Flatten()(embedded))
     history = fit(
         model,
@@ -247,7 +249,9 @@ def test_non_finite_gradients_count_the_skipped_steps():
     # scale halves each time); 4096 gives 61440, finite, and w moves.
     inputs = keras.Input((1,))
     model = kg.KeepGradModel(inputs, dense_0(dtype="mixed_float16")(inputs))
-    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**14)
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=2.0**14
+    )
     history = fit(
         model,
         [kgm.NonFiniteGradients(), kgm.GradientNorm(name="last_norm", reduction="last")],
@@ -317,7 +321,9 @@ def test_evaluate_and_predict_have_no_gradient_values(mode):
     )
     assert "grad_norm" in history and not any(k.startswith("val_grad") for k in history)
     assert not any(k.startswith("val_update") for k in history)
-    results = model.evaluate(X3, Y3, batch_size=2, verbose=0, return_dict=True, callbacks=[recorder])
+    results = model.evaluate(
+        X3, Y3, batch_size=2, verbose=0, return_dict=True, callbacks=[recorder]
+    )
     assert set(results) == {"loss", "mae"}
     assert recorder.test_batch_keys == {"loss", "mae"}
     assert len(model.evaluate(X, Y, verbose=0)) == 2  # [loss, mae]
@@ -377,7 +383,13 @@ def test_saved_model_loads_and_trains_again(tmp_path):
     loaded = keras.models.load_model(path)
     names = [getattr(m, "name", m) for m in loaded._compile_config.config["metrics"]]
     assert names == [
-        "mae", "grad_norm", "layer_norm", "k", "grad_nonfinite", "grad_vanishing", "update_ratio",
+        "mae",
+        "grad_norm",
+        "layer_norm",
+        "k",
+        "grad_nonfinite",
+        "grad_vanishing",
+        "update_ratio",
     ]
     history = loaded.fit(X, Y, batch_size=2, verbose=0).history  # w = 1.5
     assert history["grad_norm"] == [7.5]
@@ -417,7 +429,11 @@ def test_non_scalar_fn_names_the_metric():
     [
         (lambda: kgm.GradientMetric(None), TypeError, "Received: fn=None"),
         (lambda: kgm.GradientMetric(3.0), TypeError, "Received: fn=3.0"),
-        (lambda: kgm.GradientMetric(kernel_grad, reduction="median"), ValueError, "reduction='median'"),
+        (
+            lambda: kgm.GradientMetric(kernel_grad, reduction="median"),
+            ValueError,
+            "reduction='median'",
+        ),
         (lambda: kgm.GradientNorm(per_layer="yes"), TypeError, "per_layer='yes'"),
         (lambda: kgm.VanishingGradients(threshold=-1.0), ValueError, "threshold=-1.0"),
         (

@@ -16,42 +16,19 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import MODES
+from conftest import REPO
 from conftest import W0
+from conftest import Recorder
 from conftest import X
 from conftest import Y
 from conftest import dense_0
+from conftest import one_weight
 
 import keras_keepgrad as kg
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def one_weight(cls=kg.KeepGradModel, dtype=None, **options):
-    inputs = keras.Input((1,))
-    return cls(inputs, dense_0(dtype=dtype)(inputs), **options)
 
 
 def kernel(model):
     return model.gradients["dense_0"]["kernel"]
-
-
-class Recorder(keras.callbacks.Callback):
-    """Records the kept kernel gradient after each training batch."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-        self.at_begin = None
-
-    def on_train_begin(self, logs=None):
-        # Before the first step of a new training function nothing is kept.
-        try:
-            self.at_begin = kernel(self.model)
-        except RuntimeError as error:
-            self.at_begin = error
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen.append(float(kernel(self.model)[0, 0]))
 
 
 def run_py(code, env=None):

@@ -5,7 +5,9 @@ import re
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import pytest
+from conftest import REPO
+from conftest import python_env
 
 
 def read_readme():
@@ -23,14 +25,19 @@ def test_readme_has_the_demo_and_the_test_command():
     ]
     with open(os.path.join(REPO, ".ci", "run")) as f:
         ci = f.read()
-    assert '-e ".[cpu,test]"' in ci and "python3 -m pytest" in ci
+    # CI installs the test extra (and what lint and docs need), runs the
+    # first command in a fresh venv and the tests.
+    assert '-e ".[cpu,test,' in ci and "python3 -m pytest" in ci
+    assert "bash .ci/fresh_venv_demo.sh" in ci
 
 
+@pytest.mark.slow
 def test_ten_line_example_prints_5():
     text = read_readme()
     example = text.split("## Ten lines")[1].split("```python\n")[1].split("```")[0]
     assert len([l for l in example.splitlines() if l.strip()]) <= 10
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
-    out = subprocess.run([sys.executable, "-c", example], capture_output=True,
-                         text=True, env=env, timeout=120)
+    env = python_env()
+    out = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, env=env, timeout=120
+    )
     assert "tf.Tensor([[5.]]" in out.stdout, out.stderr[-2000:]

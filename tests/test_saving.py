@@ -1,4 +1,4 @@
-"""Saving, against CONTRACT.md "What is kept" (saving lines) and issue 5.
+"""Saving: what Keras's files hold with and without the kept gradients.
 
 The one-weight model of conftest.py: one SGD(0.1) step on x = [[1], [2]],
 y = 0 keeps the gradient 5w = 15 and moves w from 3 to 1.5; each further
@@ -23,14 +23,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import W0
+from conftest import Recorder
 from conftest import X
 from conftest import Y
 from conftest import dense_0
+from conftest import one_weight
+from conftest import python_env
 
 import keras_keepgrad as kg
 from keras_keepgrad import _saving
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRAD_KEY = "_kept_gradients/vars/0:dense_0%2Fkernel"
 
 # Models a fresh process must load from their registered names alone.
@@ -81,17 +83,17 @@ class PlainNet(keras.Model):
 # --- helpers ------------------------------------------------------------------
 
 
-def one_weight(cls=kg.KeepGradModel, name="net", layer="dense_0", **options):
-    inputs = keras.Input((1,))
-    model = cls(inputs, dense_0(name=layer)(inputs), name=name, **options)
+def compiled_one_weight(cls=kg.KeepGradModel, name="net", layer="dense_0", **options):
+    model = one_weight(cls, layer=layer, name=name, **options)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     return model
 
 
 def trained(cls=kg.KeepGradModel, steps=1, **options):
-    model = one_weight(cls, **options)
-    model.fit(np.tile(X, (steps, 1)), np.tile(Y, (steps, 1)), batch_size=2,
-              shuffle=False, verbose=0)
+    model = compiled_one_weight(cls, **options)
+    model.fit(
+        np.tile(X, (steps, 1)), np.tile(Y, (steps, 1)), batch_size=2, shuffle=False, verbose=0
+    )
     return model
 
 
@@ -102,9 +104,11 @@ def h5_arrays(path):
             path = io.BytesIO(archive.read("model.weights.h5"))
     found = {}
     with h5py.File(path, "r") as f:
+
         def visit(name, obj):
             if isinstance(obj, h5py.Dataset):
                 found[name] = obj[()]
+
         f.visititems(visit)
     return found
 
@@ -123,8 +127,7 @@ def warns(category, match):
         warnings.simplefilter("always")
         yield
     assert any(
-        issubclass(w.category, category) and re.search(match, str(w.message))
-        for w in caught
+        issubclass(w.category, category) and re.search(match, str(w.message)) for w in caught
     ), [str(w.message) for w in caught]
 
 
@@ -163,8 +166,7 @@ def test_files_hold_the_plain_arrays_and_gradients_only_on_request(
     save(kept, tmp_path / f"kept{suffix}")
     expected = h5_arrays(tmp_path / f"plain{suffix}")
     # The plain model's file: kernel 1.5, SGD iterations 1 and learning rate.
-    assert sorted(expected) == [
-        "layers/dense/vars/0", "optimizer/vars/0", "optimizer/vars/1"]
+    assert sorted(expected) == ["layers/dense/vars/0", "optimizer/vars/0", "optimizer/vars/1"]
     if save_gradients:
         expected[GRAD_KEY] = np.array([[15.0]], "float32")
     assert_same_arrays(h5_arrays(tmp_path / f"kept{suffix}"), expected)
@@ -179,7 +181,7 @@ def test_files_hold_the_plain_arrays_and_gradients_only_on_request(
     ids=["untrained", "keep_gradients_off"],
 )
 def test_nothing_kept_means_nothing_saved(tmp_path, options, train):
-    model = trained(**options) if train else one_weight(**options)
+    model = trained(**options) if train else compiled_one_weight(**options)
     model.save_weights(tmp_path / "m.weights.h5")
     assert saved_gradients(tmp_path / "m.weights.h5") == {}
 
@@ -190,7 +192,10 @@ def test_stale_gradients_are_not_saved_with_a_warning(tmp_path):
     with warns(UserWarning, match="were not saved .*stale"):
         model.save_weights(tmp_path / "m.weights.h5")
     assert sorted(h5_arrays(tmp_path / "m.weights.h5")) == [
-        "layers/dense/vars/0", "optimizer/vars/0", "optimizer/vars/1"]
+        "layers/dense/vars/0",
+        "optimizer/vars/0",
+        "optimizer/vars/1",
+    ]
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
@@ -200,11 +205,9 @@ def test_sparse_gradient_is_saved_dense_and_restored_in_place(tmp_path, jit_comp
     # XLA too the slot is sparse (written after the compiled step).
     def embedding_model():
         inputs = keras.Input((1,), dtype="int32")
-        emb = keras.layers.Embedding(
-            4, 1, embeddings_initializer="ones", name="emb")(inputs)
+        emb = keras.layers.Embedding(4, 1, embeddings_initializer="ones", name="emb")(inputs)
         model = kg.KeepGradModel(inputs, emb, save_gradients=True)
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-                      jit_compile=jit_compile)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=jit_compile)
         return model
 
     ids = np.array([[0], [0], [1], [2]])
@@ -221,13 +224,13 @@ def test_sparse_gradient_is_saved_dense_and_restored_in_place(tmp_path, jit_comp
     np.testing.assert_array_equal(model.gradients["emb"]["embeddings"], [[0], [0], [0], [2]])
     model.load_weights(tmp_path / "m.weights.h5")
     np.testing.assert_array_equal(
-        model.gradients["emb"]["embeddings"], [[1.0], [0.5], [0.5], [0.0]])
+        model.gradients["emb"]["embeddings"], [[1.0], [0.5], [0.5], [0.0]]
+    )
     assert all(a is b for a, b in zip(model._keeper.slot_variables(), slots))
     # The restored slot holds all 4 rows; training writes the batch's again.
     e3 = model.get_weights()[0][3, 0]
     model.fit(np.full((4, 1), 3), target, batch_size=4, verbose=0)
-    np.testing.assert_array_equal(
-        model.gradients["emb"]["embeddings"], [[0], [0], [0], [2 * e3]])
+    np.testing.assert_array_equal(model.gradients["emb"]["embeddings"], [[0], [0], [0], [2 * e3]])
 
 
 # --- restoring ------------------------------------------------------------------
@@ -241,7 +244,7 @@ def test_load_restores_saved_gradients_exactly(tmp_path, suffix):
         model = keras.models.load_model(path)
         assert isinstance(model, kg.KeepGradModel)
     else:
-        model = one_weight()
+        model = compiled_one_weight()
         model.load_weights(path)
     # Before any training: dense slots made from the file.
     assert kernel_grad(model) == [[15.0]]
@@ -275,7 +278,7 @@ def test_a_file_without_gradients_leaves_them_alone(tmp_path):
 
 def test_keep_gradients_false_ignores_saved_gradients(tmp_path):
     save(trained(save_gradients=True), tmp_path / "m.weights.h5")
-    model = one_weight(keep_gradients=False)
+    model = compiled_one_weight(keep_gradients=False)
     model.load_weights(tmp_path / "m.weights.h5")
     assert model.get_weights()[0].tolist() == [[1.5]]
     assert model._keeper is None
@@ -325,14 +328,14 @@ def test_weights_files_move_between_plain_and_kept_models(tmp_path, kind, save_g
 
 class ScaledNet(keras.Model):
     """A plain subclassed model whose saved groups are named after its
-    attributes: a list of layers (`blocks/dense/vars/0`, a list item named by its class) and a weight of
-    its own (`vars/0`, a non-trainable 1 that leaves the gradient 5w)."""
+    attributes: a list of layers (`blocks/dense/vars/0`, a list item named
+    by its class) and a weight of its own (`vars/0`, a non-trainable 1 that
+    leaves the gradient 5w)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.blocks = [dense_0()]
-        self.scale = self.add_weight(
-            shape=(), initializer="ones", trainable=False, name="scale")
+        self.scale = self.add_weight(shape=(), initializer="ones", trainable=False, name="scale")
 
     def call(self, x):
         return self.blocks[0](x) * self.scale
@@ -345,9 +348,7 @@ def scaled_net():
 
 
 @pytest.mark.parametrize("save_gradients", [False, True])
-def test_weights_files_move_between_plain_and_wrapped_subclassed_models(
-    tmp_path, save_gradients
-):
+def test_weights_files_move_between_plain_and_wrapped_subclassed_models(tmp_path, save_gradients):
     plain = scaled_net()
     plain.fit(X, Y, batch_size=2, verbose=0)  # w = 1.5
     plain.save_weights(tmp_path / "plain.weights.h5")
@@ -355,17 +356,23 @@ def test_weights_files_move_between_plain_and_wrapped_subclassed_models(
     kept.fit(X, Y, batch_size=2, verbose=0)  # w = 1.5, gradient 15
     # Built by their first fit, both name the kernel as the plain model does
     # (not "net/net/dense_0/kernel").
-    assert [v.path for v in kept.weights] == [v.path for v in plain.weights] == [
-        "net/scale", "net/dense_0/kernel"]
+    assert (
+        [v.path for v in kept.weights]
+        == [v.path for v in plain.weights]
+        == ["net/scale", "net/dense_0/kernel"]
+    )
 
     # The same groups as the plain model's file, with the same arrays.
     kept.save_weights(tmp_path / "kept.weights.h5")
     expected = h5_arrays(tmp_path / "plain.weights.h5")
     assert sorted(expected) == [
-        "blocks/dense/vars/0", "optimizer/vars/0", "optimizer/vars/1", "vars/0"]
+        "blocks/dense/vars/0",
+        "optimizer/vars/0",
+        "optimizer/vars/1",
+        "vars/0",
+    ]
     if save_gradients:
-        expected["_kept_gradients/vars/0:net%2Fdense_0%2Fkernel"] = np.array(
-            [[15.0]], "float32")
+        expected["_kept_gradients/vars/0:net%2Fdense_0%2Fkernel"] = np.array([[15.0]], "float32")
     assert_same_arrays(h5_arrays(tmp_path / "kept.weights.h5"), expected)
 
     # kept -> plain.
@@ -398,14 +405,16 @@ def test_a_wrapper_of_a_built_model_loads_and_saves_weights_before_training(tmp_
     assert [w.tolist() for w in net.get_weights()] == [1.0, [[1.5]]]
     net.scale.assign(2.0)
     kept.save_weights(tmp_path / "kept.weights.h5")
-    assert_same_arrays(h5_arrays(tmp_path / "kept.weights.h5"),
-                       {"blocks/dense/vars/0": [[1.5]], "vars/0": 2.0})
+    assert_same_arrays(
+        h5_arrays(tmp_path / "kept.weights.h5"), {"blocks/dense/vars/0": [[1.5]], "vars/0": 2.0}
+    )
     kept.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     kept.fit(X, Y, batch_size=2, verbose=0)
     assert only_grad(kept) == [[30.0]]  # 5 * scale^2 * w = 5 * 4 * 1.5
     kept.save(tmp_path / "kept.keras")
-    loaded = keras.models.load_model(tmp_path / "kept.keras",
-                                     custom_objects={"ScaledNet": ScaledNet})
+    loaded = keras.models.load_model(
+        tmp_path / "kept.keras", custom_objects={"ScaledNet": ScaledNet}
+    )
     assert [w.tolist() for w in loaded.get_weights()] == [2.0, [[-1.5]]]  # 1.5 - 0.1 * 30
     assert loaded.built
 
@@ -436,11 +445,17 @@ def test_a_wrapped_model_attribute_named_model_is_saved_as_in_the_plain_file(tmp
     assert kept.model is original.model  # the original's own `model`
     kept.fit(X, Y, batch_size=2, verbose=0)
     kept.save_weights(tmp_path / "kept.weights.h5")
-    assert sorted(h5_arrays(tmp_path / "kept.weights.h5")) == sorted(
-        h5_arrays(tmp_path / "plain.weights.h5")) == [
-        # Keras saves the sub-model through `layers` (a list: named by its
-        # class), which it visits before `model`.
-        "layers/functional/layers/dense/vars/0", "optimizer/vars/0", "optimizer/vars/1"]
+    assert (
+        sorted(h5_arrays(tmp_path / "kept.weights.h5"))
+        == sorted(h5_arrays(tmp_path / "plain.weights.h5"))
+        == [
+            # Keras saves the sub-model through `layers` (a list: named by its
+            # class), which it visits before `model`.
+            "layers/functional/layers/dense/vars/0",
+            "optimizer/vars/0",
+            "optimizer/vars/1",
+        ]
+    )
     plain.fit(X, Y, batch_size=2, verbose=0)  # w = 0.75
     plain.save_weights(tmp_path / "plain.weights.h5")
     kept.load_weights(tmp_path / "plain.weights.h5")
@@ -454,15 +469,15 @@ def test_wrapped_subclassed_archive_holds_the_plain_arrays(tmp_path):
     kept = kg.keep_gradients(scaled_net())
     kept.fit(X, Y, batch_size=2, verbose=0)
     kept.save(tmp_path / "kept.keras")
-    assert_same_arrays(h5_arrays(tmp_path / "kept.keras"),
-                       h5_arrays(tmp_path / "plain.keras"))
+    assert_same_arrays(h5_arrays(tmp_path / "kept.keras"), h5_arrays(tmp_path / "plain.keras"))
 
 
 def test_a_plain_archive_becomes_a_kept_model(tmp_path):
     plain = trained(keras.Model)  # w = 1.5
     plain.save(tmp_path / "plain.keras")
-    model = kg.keep_gradients(keras.models.load_model(tmp_path / "plain.keras"),
-                              save_gradients=True)
+    model = kg.keep_gradients(
+        keras.models.load_model(tmp_path / "plain.keras"), save_gradients=True
+    )
     assert isinstance(model, kg.KeepGradModel)
     model.fit(X, Y, batch_size=2, verbose=0)
     assert kernel_grad(model) == [[7.5]]
@@ -474,6 +489,7 @@ def test_a_plain_archive_becomes_a_kept_model(tmp_path):
 # --- .keras in a fresh process -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_keras_archives_round_trip_in_a_fresh_process(tmp_path):
     (tmp_path / "saving_models.py").write_text(MODELS_MODULE)
     sys.path.insert(0, str(tmp_path))
@@ -490,7 +506,8 @@ def test_keras_archives_round_trip_in_a_fresh_process(tmp_path):
         "subclassed": saving_models.KeptNet(**options),
         "wrapped": kg.keep_gradients(saving_models.PlainNet(), **options),
         "from_sequential": kg.keep_gradients(
-            keras.Sequential([keras.Input((1,)), dense_0()]), **options),
+            keras.Sequential([keras.Input((1,)), dense_0()]), **options
+        ),
     }
     for name, model in models.items():
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
@@ -522,9 +539,14 @@ def test_keras_archives_round_trip_in_a_fresh_process(tmp_path):
             out[name] = row
         print(json.dumps(out))
     """
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
-                            capture_output=True, text=True, env=env, timeout=240)
+    env = python_env()
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     for name, model in models.items():
@@ -562,16 +584,17 @@ def test_tf_checkpoint_and_export_hold_no_gradient_slots(tmp_path):
 
 @pytest.mark.parametrize("save_weights_only", [True, False])
 @pytest.mark.parametrize("save_gradients", [False, True])
-def test_model_checkpoint_files_follow_save_gradients(
-    tmp_path, save_weights_only, save_gradients
-):
+def test_model_checkpoint_files_follow_save_gradients(tmp_path, save_weights_only, save_gradients):
     # `ModelCheckpoint` writes with `save_weights` / `save`: plain files by
     # default, the gradients too when the model was asked to save them.
     suffix = ".weights.h5" if save_weights_only else ".keras"
-    for name, model in (("plain", one_weight(keras.Model)),
-                        ("kept", one_weight(save_gradients=save_gradients))):
+    for name, model in (
+        ("plain", compiled_one_weight(keras.Model)),
+        ("kept", compiled_one_weight(save_gradients=save_gradients)),
+    ):
         checkpoint = keras.callbacks.ModelCheckpoint(
-            str(tmp_path / f"{name}{suffix}"), save_weights_only=save_weights_only)
+            str(tmp_path / f"{name}{suffix}"), save_weights_only=save_weights_only
+        )
         model.fit(X, Y, batch_size=2, verbose=0, callbacks=[checkpoint])
     expected = h5_arrays(tmp_path / f"plain{suffix}")
     if save_gradients:
@@ -595,29 +618,25 @@ class _Interrupt(keras.callbacks.Callback):
             raise RuntimeError("interrupted")
 
 
-class _Recorder(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-        self.epoch = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen.append((self.epoch, batch, kernel_grad(self.model)[0][0]))
-
-
 def test_backup_and_restore_resumes_mid_epoch_with_gradients(tmp_path):
     # 2 epochs of 2 identical batches; each step halves w: 3, 1.5, 0.75, ...
     x, y = np.tile(X, (2, 1)), np.tile(Y, (2, 1))
     backup_dir = str(tmp_path / "backup")
 
-    model = one_weight()
+    model = compiled_one_weight()
     with pytest.raises(RuntimeError, match="interrupted"):
-        model.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0,
-                  callbacks=[keras.callbacks.BackupAndRestore(backup_dir, save_freq=1),
-                             _Interrupt(epoch=1, batch=1)])
+        model.fit(
+            x,
+            y,
+            batch_size=2,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[
+                keras.callbacks.BackupAndRestore(backup_dir, save_freq=1),
+                _Interrupt(epoch=1, batch=1),
+            ],
+        )
     # Three steps ran (w = 0.375) and the last was backed up, without gradients.
     backup = h5_arrays(os.path.join(backup_dir, "latest.weights.h5"))
     assert sorted(backup) == ["layers/dense/vars/0", "optimizer/vars/0", "optimizer/vars/1"]
@@ -625,13 +644,19 @@ def test_backup_and_restore_resumes_mid_epoch_with_gradients(tmp_path):
 
     # A new process would build the model afresh: so does this.
     keras.backend.clear_session()
-    model = one_weight()
-    recorder = _Recorder()
-    history = model.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0,
-                        callbacks=[keras.callbacks.BackupAndRestore(backup_dir, save_freq=1),
-                                   recorder])
+    model = compiled_one_weight()
+    recorder = Recorder()
+    history = model.fit(
+        x,
+        y,
+        batch_size=2,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[keras.callbacks.BackupAndRestore(backup_dir, save_freq=1), recorder],
+    )
     # Resumed at epoch 1 from w = 0.375 (Keras restarts the epoch's batches).
-    assert recorder.seen == [(1, 0, 1.875), (1, 1, 0.9375)]
+    assert list(zip(recorder.batches, recorder.seen)) == [((1, 0), 1.875), ((1, 1), 0.9375)]
     assert model.get_weights()[0].tolist() == [[0.09375]]
     assert int(model.optimizer.iterations) == 5
     assert len(history.history["loss"]) == 1
@@ -676,12 +701,16 @@ def test_mismatched_saved_gradients_raise_and_restore_nothing(tmp_path, value, m
 def test_gradients_for_other_variables_raise_and_load_nothing(tmp_path, suffix):
     path = tmp_path / f"m{suffix}"
     save(trained(save_gradients=True), path)  # w = 1.5
-    model = one_weight()
+    model = compiled_one_weight()
     model.layers[-1].trainable = False
     model.optimizer.build(model.trainable_variables)
-    with pytest.raises(ValueError, match=(
+    with pytest.raises(
+        ValueError,
+        match=(
             r"holds gradients for 1 variables \(\['dense_0/kernel'\]\), but "
-            r"model 'net' has 0 trainable variables \(\[\]\)")):
+            r"model 'net' has 0 trainable variables \(\[\]\)"
+        ),
+    ):
         model.load_weights(path)
     # Keras would have loaded the weights and the optimizer before raising.
     assert model.get_weights()[0].tolist() == [[W0]]
@@ -699,7 +728,7 @@ def test_gradients_of_an_edited_file_raise(tmp_path):
     with h5py.File(path, "r+") as f:
         f["_kept_gradients/vars/kernel"] = np.zeros((1, 1), "float32")
     with pytest.raises(ValueError, match="Unexpected dataset 'kernel'"):
-        one_weight().load_weights(path)
+        compiled_one_weight().load_weights(path)
 
 
 @pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
@@ -730,8 +759,8 @@ def test_truncated_file_gives_keras_error_and_overwrites_nothing(tmp_path, suffi
 
 
 def test_state_is_one_object_per_model():
-    model = one_weight()
+    model = compiled_one_weight()
     state = _saving.kept_gradients_state(model)
     assert model._kept_gradients is state
     assert repr(state) == "<kept gradients of model 'net'>"
-    assert one_weight(name="other")._kept_gradients is not state
+    assert compiled_one_weight(name="other")._kept_gradients is not state

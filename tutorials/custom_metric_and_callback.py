@@ -33,6 +33,7 @@ y = np.zeros((6, 1), dtype="float32")
 # is traced into the training step, so use `keras.ops`. Register it so a
 # saved model can find it again.
 
+
 # %%
 @keras.saving.register_keras_serializable(package="tutorial")
 def kernel_grad(grads):
@@ -49,6 +50,7 @@ def one_weight_model():
 
 # %% [markdown]
 # ## A callback: keep a history of the kernel's gradient, and stop on a spike
+
 
 # %%
 class KernelGradientLog(keras.callbacks.Callback):
@@ -99,7 +101,8 @@ assert history.history["kernel_grad_last"] == [3.75]
 model = one_weight_model()
 model.compile(optimizer=keras.optimizers.SGD(1.5), loss="mse")
 log = KernelGradientLog(limit=100.0)
-model.fit(np.tile(x, (3, 1)), np.tile(y, (3, 1)), batch_size=2, shuffle=False, verbose=0,
-          callbacks=[log])
+model.fit(
+    np.tile(x, (3, 1)), np.tile(y, (3, 1)), batch_size=2, shuffle=False, verbose=0, callbacks=[log]
+)
 print("callback saw:", log.values)
 assert log.values == [15.0, -97.5, 633.75]

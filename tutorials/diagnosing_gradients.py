@@ -54,15 +54,20 @@ def mlp(activation, depth=8, name=None, out_activation="sigmoid"):
 
 # %%
 model = mlp("sigmoid", name="sigmoid_mlp")
-model.compile(optimizer=keras.optimizers.SGD(0.05), loss="binary_crossentropy",
-              metrics=[kg.metrics.GradientNorm(per_layer=True)])
+model.compile(
+    optimizer=keras.optimizers.SGD(0.05),
+    loss="binary_crossentropy",
+    metrics=[kg.metrics.GradientNorm(per_layer=True)],
+)
 monitor = kg.callbacks.GradientMonitor(vanishing_threshold=1e-5, vanishing_steps=5)
-board = kg.callbacks.GradientTensorBoard(os.path.join(LOGDIR, "sigmoid"), update_freq=4,
-                                         histogram_freq=1)
+board = kg.callbacks.GradientTensorBoard(
+    os.path.join(LOGDIR, "sigmoid"), update_freq=4, histogram_freq=1
+)
 with warnings.catch_warnings(record=True):
     warnings.simplefilter("always")
-    history = model.fit(x, y, batch_size=64, epochs=1 if FAST else 5, verbose=0,
-                        callbacks=[monitor, board])
+    history = model.fit(
+        x, y, batch_size=64, epochs=1 if FAST else 5, verbose=0, callbacks=[monitor, board]
+    )
 for event in monitor.events:
     print(event["message"])
 vanishing = {layer for e in monitor.events if e["kind"] == "vanishing" for layer in e["layers"]}
@@ -85,7 +90,11 @@ def last_value(tag):
 first, last = last_value("gradients/layer_norm/dense_0"), last_value("gradients/layer_norm/out")
 print(f"dense_0: {first:.3e}   out: {last:.3e}   ratio {last / first:.0f}x")
 assert last / first > 1e3
-print("panels written:", sorted(t for t in acc.Tags()["tensors"] if t.startswith("gradients/"))[:4], "...")
+print(
+    "panels written:",
+    sorted(t for t in acc.Tags()["tensors"] if t.startswith("gradients/"))[:4],
+    "...",
+)
 
 # %% [markdown]
 # ## The fix: ReLU keeps the gradients alive
@@ -116,6 +125,8 @@ with warnings.catch_warnings(record=True):
     history = model.fit(x, y, batch_size=64, epochs=3, verbose=0, callbacks=[monitor])
 print(monitor.events[0]["message"] if monitor.events else "no explosion")
 assert monitor.events and monitor.events[0]["kind"] == "exploding"
-print(f"stopped after step {monitor.events[0]['step']}, in epoch {len(history.history['loss'])} of 3")
+print(
+    f"stopped after step {monitor.events[0]['step']}, in epoch {len(history.history['loss'])} of 3"
+)
 assert len(history.history["loss"]) == 1
 print(f"\nOpen the panels with: tensorboard --logdir {LOGDIR}")

@@ -61,7 +61,9 @@ def one_weight_model(strategy, **compile_kwargs):
     with strategy.scope():
         inputs = keras.Input((1,))
         layer = keras.layers.Dense(
-            1, use_bias=False, kernel_initializer=keras.initializers.Constant(3.0),
+            1,
+            use_bias=False,
+            kernel_initializer=keras.initializers.Constant(3.0),
             name="dense_0",
         )
         model = kg.KeepGradModel(inputs, layer(inputs))
@@ -114,8 +116,9 @@ def embedding_model(strategy):
         h = keras.layers.Dense(16, activation="relu", name="frozen", trainable=False)(h)
         outputs = keras.layers.Dense(1, name="out")(h)
         model = kg.KeepGradModel(inputs, outputs)
-        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse",
-                      metrics=[kg.metrics.GradientNorm()])
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=[kg.metrics.GradientNorm()]
+        )
     return model
 
 
@@ -181,16 +184,18 @@ if not WORKER:
         logs = model.fit(tf.data.Dataset.from_tensors(batch), verbose=0, shuffle=False).history
         kept = float(model.gradients["dense_0"]["kernel"].numpy()[0, 0])
         weight = float(model.layers[-1].kernel.numpy()[0, 0])
-        print(f"{step:>4} {scale:>6.0f} {kept:>14} {weight:>12}  "
-              f"(grad_nonfinite {logs['grad_nonfinite'][0]:.0f})")
+        print(
+            f"{step:>4} {scale:>6.0f} {kept:>14} {weight:>12}  "
+            f"(grad_nonfinite {logs['grad_nonfinite'][0]:.0f})"
+        )
     assert kept == 15.0 and weight == 1.5
 
 # %% [markdown]
 # ## Part 4: several machines, `MultiWorkerMirroredStrategy`
 #
 # Each worker is a process with a `TF_CONFIG` naming the cluster and its own
-# index. Keras 3.15's own `fit` fails under this strategy
-# (keras-team/keras#20585, and the scalar logs after it);
+# index. Keras 3.15's own `fit` fails under this strategy (its build reduces
+# the per-replica batch, and its scalar logs lack the axis it reduces over);
 # `KeepGradModel.fit` works: it builds from the dataset's spec and gives the
 # logs the axis that Keras's cross-worker mean expects. Each worker trains on
 # its shard (`AutoShardPolicy.DATA`: worker 0 gets `x = 1`, worker 1
@@ -209,11 +214,17 @@ def worker():
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     model = one_weight_model(strategy)
     history = model.fit(one_weight_data().with_options(options), epochs=1, verbose=0, shuffle=False)
-    print("RESULT " + json.dumps({
-        "task": json.loads(os.environ["TF_CONFIG"])["task"]["index"],
-        "kept": float(model.gradients["dense_0"]["kernel"].numpy()[0, 0]),
-        "loss": history.history["loss"][0],
-    }), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "task": json.loads(os.environ["TF_CONFIG"])["task"]["index"],
+                "kept": float(model.gradients["dense_0"]["kernel"].numpy()[0, 0]),
+                "loss": history.history["loss"][0],
+            }
+        ),
+        flush=True,
+    )
 
 
 def free_ports(n):
@@ -232,10 +243,15 @@ def run_two_workers(timeout=180):
     for index in range(2):
         tf_config = {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": index}}
         env = dict(os.environ, TF_CONFIG=json.dumps(tf_config))
-        processes.append(subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--worker"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--worker"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     results = []
     try:
         for process in processes:
@@ -243,7 +259,7 @@ def run_two_workers(timeout=180):
             lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
             if process.returncode != 0 or not lines:
                 raise RuntimeError(f"A worker failed:\n{out[-2000:]}{err[-3000:]}")
-            results.append(json.loads(lines[-1][len("RESULT "):]))
+            results.append(json.loads(lines[-1][len("RESULT ") :]))
     finally:
         for process in processes:
             if process.poll() is None:

@@ -56,13 +56,17 @@ x = np.array([[1.0], [2.0]], dtype="float32")
 y = np.zeros((2, 1), dtype="float32")
 rows = []
 for step in range(1, STEPS + 1):
-    scale_before = float(model.optimizer.dynamic_scale.numpy()) if model.optimizer.built else 2.0**15
+    scale_before = (
+        float(model.optimizer.dynamic_scale.numpy()) if model.optimizer.built else 2.0**15
+    )
     w_before = float(layer.kernel.numpy()[0, 0])
     model.train_on_batch(x, y)
     grad = model.gradients["dense_0"]["kernel"]
     rows.append((step, scale_before, w_before, float(grad.numpy()[0, 0]), grad.dtype.name))
-    print(f"step {step}: scale {scale_before:>7.0f}  w {w_before:.6f}  "
-          f"kept grad {float(grad.numpy()[0, 0]):>10.6f} ({grad.dtype.name})")
+    print(
+        f"step {step}: scale {scale_before:>7.0f}  w {w_before:.6f}  "
+        f"kept grad {float(grad.numpy()[0, 0]):>10.6f} ({grad.dtype.name})"
+    )
 
 # %%
 finite = [r for r in rows if np.isfinite(r[3])]
@@ -71,8 +75,10 @@ assert len(skipped) == 3, skipped
 assert finite[0][1] == 4096.0 and finite[0][3] == 15.0
 for step, _, w, g, dtype in finite:
     assert g == 5 * w and dtype == "float32", (step, w, g)
-print(f"\n{len(skipped)} skipped steps kept their non-finite gradients;"
-      f" {len(finite)} steps kept exactly 5w.")
+print(
+    f"\n{len(skipped)} skipped steps kept their non-finite gradients;"
+    f" {len(finite)} steps kept exactly 5w."
+)
 
 # %% [markdown]
 # The same numbers without mixed precision: the kept gradients of the
@@ -81,9 +87,12 @@ print(f"\n{len(skipped)} skipped steps kept their non-finite gradients;"
 # %%
 keras.config.set_dtype_policy("float32")
 inputs = keras.Input((1,))
-reference = kg.KeepGradModel(inputs, keras.layers.Dense(
-    1, use_bias=False, kernel_initializer=keras.initializers.Constant(3.0), name="dense_0"
-)(inputs))
+reference = kg.KeepGradModel(
+    inputs,
+    keras.layers.Dense(
+        1, use_bias=False, kernel_initializer=keras.initializers.Constant(3.0), name="dense_0"
+    )(inputs),
+)
 reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
 reference.train_on_batch(x, y)
 print("float32 kept gradient:", float(reference.gradients["dense_0"]["kernel"].numpy()[0, 0]))

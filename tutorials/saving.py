@@ -98,5 +98,7 @@ plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
 plain.save(os.path.join(workdir, "plain.keras"))
 kept = kg.keep_gradients(keras.models.load_model(os.path.join(workdir, "plain.keras")))
 kept.fit(x, y, batch_size=2, verbose=0)
-print("gradient after loading a plain archive:", kept.gradients["dense_0"]["kernel"].numpy().tolist())
+print(
+    "gradient after loading a plain archive:", kept.gradients["dense_0"]["kernel"].numpy().tolist()
+)
 assert kept.gradients["dense_0"]["kernel"].numpy().tolist() == [[7.5]]  # 5 * 1.5
