@@ -52,7 +52,7 @@ def check_backend(what):
         raise RuntimeError(
             f"{what} requires the TensorFlow backend of Keras. Received: "
             f"KERAS_BACKEND={backend!r}. Set the environment variable "
-            "KERAS_BACKEND=tensorflow (or `\"backend\": \"tensorflow\"` in "
+            'KERAS_BACKEND=tensorflow (or `"backend": "tensorflow"` in '
             "~/.keras/keras.json) before importing keras."
         )
 

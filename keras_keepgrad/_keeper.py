@@ -98,21 +98,12 @@ def unscale(optimizer, variables, grads):
 def after(writes, grads):
     """`grads`, each as a tensor that exists only once its slot is written.
 
-    `train_step` hands the optimizer these, so that each slot write comes
-    before the optimizer's update of that variable. Without XLA the write
-    copies nothing: TensorFlow's `AssignVariableOp` makes the slot (which no
-    sparse op touches, so it is not in copy-on-read mode) share the
-    gradient's buffer, copy-on-write, and the slot holds it until the next
-    write. That is the one parameter-sized buffer keeping costs; the price
-    is that the update's ops cannot reuse that buffer for their results.
-    The order rests on a measurement (10M-parameter MLP, peak RSS over plain
-    Keras: +38 to +43 MiB ordered, +39 to +82 MiB unordered, for 40 MiB of
-    parameters; step time unchanged within noise). The reason first given
-    for it, that the write copies unless it comes last, is wrong (a profile
-    shows 2 to 5 us per 2 MiB write), and why unordered writes sometimes
-    peaked higher is not known. Each gradient waits for its own write (with
-    `keep_every > 1`, for the conditional write of all; Keras 3.15's
-    optimizers start updating once all gradients exist anyway).
+    The optimizer receives these, so that each slot write comes before the
+    update of its variable. Without XLA the write copies nothing: the slot
+    shares the gradient's buffer, copy-on-write, until the next write, so
+    keeping costs one parameter-sized buffer, and this order keeps it at
+    one (the update cannot reuse that buffer for its results). With
+    `keep_every > 1` each gradient waits for the conditional write of all.
     `tf.identity` aliases, copies nothing.
 
     Args:
@@ -123,12 +114,12 @@ def after(writes, grads):
     if tf.executing_eagerly():
         return grads
     ordered = []
-    for ops, grad in zip(writes, grads):
-        ops = [op for op in ops if op is not None]
-        if grad is None or not ops:
+    for write_ops, grad in zip(writes, grads):
+        write_ops = [op for op in write_ops if op is not None]
+        if grad is None or not write_ops:
             ordered.append(grad)
             continue
-        with tf.control_dependencies(ops):
+        with tf.control_dependencies(write_ops):
             ordered.append(_map_both(grad, tf.identity))
     return ordered
 
@@ -331,9 +322,7 @@ def agree_on_skip(optimizer, grads):
     def nan(t):
         return tf.fill(tf.shape(t), tf.constant(float("nan"), t.dtype))
 
-    present = iter(
-        tf.cond(finite, lambda: present, lambda: [_map_values(g, nan) for g in present])
-    )
+    present = iter(tf.cond(finite, lambda: present, lambda: [_map_values(g, nan) for g in present]))
     return [None if g is None else next(present) for g in grads]
 
 
@@ -393,17 +382,13 @@ class _Slot:
     rather than needing a new variable mid-trace.
     """
 
-    def __init__(
-        self, path, spec, dense_shape, strategy, partial=False, index_dtype=tf.int64
-    ):
+    def __init__(self, path, spec, dense_shape, strategy, partial=False, index_dtype=tf.int64):
         self.spec = spec
         self.dense_shape = tuple(dense_shape)
         self.strategy = strategy
         self.partial = partial
         values = _on_read(
-            tf.VariableAggregation.SUM
-            if partial
-            else tf.VariableAggregation.ONLY_FIRST_REPLICA
+            tf.VariableAggregation.SUM if partial else tf.VariableAggregation.ONLY_FIRST_REPLICA
         )
         name = _slot_name(path)
         with tf.init_scope(), strategy.scope():
@@ -444,10 +429,7 @@ class _Slot:
         ]
 
     def _copies(self, variable):
-        return [
-            tf.convert_to_tensor(v)
-            for v in self.strategy.experimental_local_results(variable)
-        ]
+        return [tf.convert_to_tensor(v) for v in self.strategy.experimental_local_results(variable)]
 
     def read(self):
         copies = self._copies(self.values)
@@ -605,8 +587,7 @@ class GradientKeeper:
         """Keeps `grads` as given (a step without optimizer); returns them
         ordered after their slot writes."""
         kept = [
-            tf.zeros(v.shape, dtype=v.dtype) if g is None else g
-            for v, g in zip(variables, grads)
+            tf.zeros(v.shape, dtype=v.dtype) if g is None else g for v, g in zip(variables, grads)
         ]
         kept, reduced, writes = self.store(variables, kept, step)
         self._record(step, variables, kept, reduced)
@@ -648,9 +629,7 @@ class GradientKeeper:
         for variable, grad in zip(variables, grads):
             slot = self._slots.get(variable.path)
             if slot is None or slot.spec != self._spec(variable, grad):
-                index_dtype = (
-                    grad.indices.dtype if isinstance(grad, tf.IndexedSlices) else tf.int64
-                )
+                index_dtype = grad.indices.dtype if isinstance(grad, tf.IndexedSlices) else tf.int64
                 missing.append((variable, self._spec(variable, grad), index_dtype))
         if not missing:
             return
@@ -706,8 +685,7 @@ class GradientKeeper:
 
         if self.every == 1:
             writes = [
-                slot.assign(grad) if now else []
-                for slot, grad, now in zip(slots, grads, here)
+                slot.assign(grad) if now else [] for slot, grad, now in zip(slots, grads, here)
             ]
             return grads, reduced, writes
 
@@ -733,7 +711,10 @@ class GradientKeeper:
         whether the step was written.
         """
         deferred = types.SimpleNamespace(
-            slots=[], values=[], indices=[], wrote=None,
+            slots=[],
+            values=[],
+            indices=[],
+            wrote=None,
             tensors=lambda: (deferred.values, deferred.indices, deferred.wrote),
         )
         previous, self._deferred = self._deferred, deferred

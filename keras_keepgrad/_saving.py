@@ -58,8 +58,6 @@ import tensorflow as tf
 # alias of that base class.
 from keras.src.saving.keras_saveable import KerasSaveable
 
-from keras_keepgrad import _keeper
-
 __all__ = [
     "KeptGradientsState",
     "check_gradients_in_file",
@@ -218,8 +216,10 @@ def check_gradients_in_file(model, filepath):
             for key in group or ():
                 index, path = _parse_key(key)
                 dataset = group[key]
-                saved[index] = (path, types.SimpleNamespace(
-                    shape=dataset.shape, dtype=dataset.dtype))
+                saved[index] = (
+                    path,
+                    types.SimpleNamespace(shape=dataset.shape, dtype=dataset.dtype),
+                )
     except (OSError, KeyError, zipfile.BadZipFile):
         return  # Keras's own loading reports an unreadable file.
     if saved:

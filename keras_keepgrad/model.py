@@ -276,9 +276,7 @@ class KeepGradModel(keras.Model):
             # (with `keep_every > 1` the write sits in a conditional of its
             # own), and no strategy.
             choose_dense=(
-                writes_after_xla
-                and self._distribute_strategy is None
-                and self._keep_every == 1
+                writes_after_xla and self._distribute_strategy is None and self._keep_every == 1
             ),
         )
 
@@ -504,9 +502,7 @@ class KeepGradModel(keras.Model):
         return self._checked_keeper().read()
 
 
-@keras.saving.register_keras_serializable(
-    package="keras_keepgrad"
-)
+@keras.saving.register_keras_serializable(package="keras_keepgrad")
 class FunctionalKeepGradModel(KeepGradModel, _compat.Functional):
     """What `KeepGradModel(inputs, outputs)` builds, as `keras.Model` builds
     a `Functional`."""
@@ -614,9 +610,7 @@ class WrappedKeepGradModel(KeepGradModel):
             else:
                 if self._reads_through(name, value):
                     return value
-        raise AttributeError(
-            f"{type(self).__name__!r} object has no attribute {name!r}"
-        )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __dir__(self):
         names = set(super().__dir__())
@@ -641,8 +635,7 @@ class WrappedKeepGradModel(KeepGradModel):
         return config
 
 
-_STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss",
-                 "compute_metrics")
+_STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
 
 
 def _overridden_steps(cls):
@@ -711,8 +704,7 @@ def keep_gradients(model: keras.Model, **options: Any) -> "KeepGradModel":
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(
-            f"keep_gradients() got unknown options {unknown}. Valid options: "
-            f"{list(_OPTIONS)}"
+            f"keep_gradients() got unknown options {unknown}. Valid options: {list(_OPTIONS)}"
         )
     overridden = _overridden_steps(type(model))
     if overridden:

@@ -5,14 +5,12 @@ The numbers are the one-weight model's (conftest.py): w = 3, x = [[1], [2]],
 y = 0, mse, so the gradient is 5w = 15 and SGD(0.1) makes w = 1.5.
 """
 
-import os
 import warnings
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import MODES
 from conftest import W0
 from conftest import X
 from conftest import Y
@@ -60,10 +58,10 @@ def test_the_guides_own_step_keeps_5w(mode, optimizer):
         # The step scales the loss itself (`optimizer.scale_loss`): kept
         # gradients are divided by the same scale, 1024.
         opt = keras.optimizers.LossScaleOptimizer(opt, initial_scale=1024.0)
-    model.compile(optimizer=opt, loss="mse",
-                  metrics=[kg.metrics.GradientNorm(), "mae"], **mode)
-    history = model.fit(np.tile(X, (2, 1)), np.tile(Y, (2, 1)), batch_size=2,
-                        epochs=1, shuffle=False, verbose=0)
+    model.compile(optimizer=opt, loss="mse", metrics=[kg.metrics.GradientNorm(), "mae"], **mode)
+    history = model.fit(
+        np.tile(X, (2, 1)), np.tile(Y, (2, 1)), batch_size=2, epochs=1, shuffle=False, verbose=0
+    )
     # Two steps: 5w at w = 3 then at w = 1.5; the norm metric averages them.
     assert history.history["grad_norm"] == [(15.0 + 7.5) / 2]
     assert kernel(model) == 7.5
@@ -77,8 +75,7 @@ def test_the_guides_step_under_mixed_float16_keeps_unscaled_float32():
     model = guide_model()
     # A scale small enough that the float16 forward values 3 x * scale stay
     # finite (Keras's default 32768 overflows them, and skips the step).
-    optimizer = keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.SGD(0.1), initial_scale=1024.0)
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=1024.0)
     model.compile(optimizer=optimizer, loss="mse")
     model.fit(X, Y, batch_size=2, verbose=0)
     # float16 gradients divided by the float32 dynamic scale are float32.
@@ -155,14 +152,12 @@ def test_a_gan_keeps_what_each_of_its_optimizers_receives(mode, penalty):
     assert gan.gradients["generator"]["g"]["kernel"].numpy() == [[g_grad]]
     assert float(gan.generator.get_weights()[0][0, 0]) == 2.0 - 0.5 * g_grad
     # One `model.gradients` for both optimizers, nothing else in it.
-    assert sorted(gan.get_gradients_by_path()) == [
-        "discriminator/d/kernel", "generator/g/kernel"]
+    assert sorted(gan.get_gradients_by_path()) == ["discriminator/d/kernel", "generator/g/kernel"]
 
 
 def test_a_gans_gradients_reach_the_callbacks_and_agree_with_a_tape(tmp_path):
     gan = OneWeightGAN(penalty=1.0)
-    gan.compile(d_optimizer=keras.optimizers.SGD(0.03125),
-                g_optimizer=keras.optimizers.SGD(0.5))
+    gan.compile(d_optimizer=keras.optimizers.SGD(0.03125), g_optimizer=keras.optimizers.SGD(0.5))
     z = np.ones((2, 1), "float32")
     # An independent reference: the discriminator's loss on the same batch.
     d = tf.Variable(3.0)
@@ -246,8 +241,7 @@ def hand_update(keep=True):
 def test_keep_step_gradients_keeps_an_update_without_an_optimizer(mode):
     model = hand_update()
     model.compile(loss="mse", **mode)
-    model.fit(np.tile(X, (2, 1)), np.tile(Y, (2, 1)), batch_size=2,
-              shuffle=False, verbose=0)
+    model.fit(np.tile(X, (2, 1)), np.tile(Y, (2, 1)), batch_size=2, shuffle=False, verbose=0)
     assert kernel(model) == 7.5  # the second step's 5w at w = 1.5
     assert float(model.get_weights()[0][0, 0]) == 0.75
 
@@ -260,7 +254,8 @@ def test_keep_step_gradients_outside_a_training_step_raises():
     with pytest.raises(RuntimeError, match="does not keep gradients"):
         inputs = keras.Input((1,))
         HandUpdate(inputs, dense_0()(inputs), keep_gradients=False).keep_step_gradients(
-            [tf.ones((1, 1))], variables)
+            [tf.ones((1, 1))], variables
+        )
 
 
 def test_a_step_that_keeps_nothing_says_so_everywhere(tmp_path):
@@ -268,8 +263,14 @@ def test_a_step_that_keeps_nothing_says_so_everywhere(tmp_path):
     model.compile(loss="mse")
     snapshot = kg.callbacks.GradientSnapshot(str(tmp_path / "s{step}.npz"), every=1)
     with pytest.warns(UserWarning, match="passed no gradients to an optimizer") as seen:
-        model.fit(np.tile(X, (2, 1)), np.tile(Y, (2, 1)), batch_size=2, verbose=0,
-                  shuffle=False, callbacks=[snapshot])
+        model.fit(
+            np.tile(X, (2, 1)),
+            np.tile(Y, (2, 1)),
+            batch_size=2,
+            verbose=0,
+            shuffle=False,
+            callbacks=[snapshot],
+        )
     assert len(seen) == 1  # once, not at every step
     assert list(tmp_path.iterdir()) == []  # no file of placeholders
     with pytest.raises(RuntimeError, match="keep_step_gradients"):
@@ -347,8 +348,7 @@ def test_nested_train_step_calls_are_one_step():
     inputs = keras.Input((1,))
     model = Calling(inputs, dense_0()(inputs), keep_every=2)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    model.fit(np.tile(X, (3, 1)), np.tile(Y, (3, 1)), batch_size=2,
-              shuffle=False, verbose=0)
+    model.fit(np.tile(X, (3, 1)), np.tile(Y, (3, 1)), batch_size=2, shuffle=False, verbose=0)
     # Steps 1 and 3 written (w = 3, then 0.75), counted once per step.
     assert kernel(model) == 3.75
 
@@ -385,6 +385,7 @@ def test_an_optional_input_fed_none(source):
     if source == "arrays":
         model.fit({"a": X, "b": None}, Y, batch_size=2, verbose=0)
     else:
+
         def batches():
             while True:
                 yield {"a": X, "b": None}, Y
@@ -427,8 +428,11 @@ def test_nothing_trainable_logs_the_real_loss():
         layer = dense_0()
         layer.trainable = False
         model = cls(inputs, layer(inputs))
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-                      metrics=[kg.metrics.GradientNorm()] if cls is not keras.Model else [])
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss="mse",
+            metrics=[kg.metrics.GradientNorm()] if cls is not keras.Model else [],
+        )
         with pytest.warns(UserWarning, match="does not have any trainable weights"):
             history = model.fit(X, Y, batch_size=2, verbose=0)
         losses.append(history.history["loss"])

@@ -130,7 +130,8 @@ def test_one_weight_model_keeps_the_global_gradient(mirrored):
     r = _ok(mirrored, "one_weight")
     assert r["replicas"] == 2
     # Before step 1 nothing is kept, so reading raises.
-    assert r["at_train_begin"].startswith("RuntimeError: ") and "no kept gradients yet" in r["at_train_begin"]
+    assert r["at_train_begin"].startswith("RuntimeError: ")
+    assert "no kept gradients yet" in r["at_train_begin"]
     # What a callback sees after the step: 5w = 15, not a replica's 3 or 12.
     assert r["in_callback"] == [[[15.0]]]
     assert r["gradients"] == {"dense_0": {"kernel": [[15.0]]}}
@@ -635,8 +636,11 @@ def _scenario_fit_in_scope(strategy):
     model = _one_weight_model(kg.KeepGradModel, strategy)
     with strategy.scope():
         history = _fit(model, _dataset(X, Y, batch_size=2))
-    return {"gradients": _tolist(model.gradients), "weight": _weight(model),
-            "history": {k: [float(v) for v in vs] for k, vs in history.history.items()}}
+    return {
+        "gradients": _tolist(model.gradients),
+        "weight": _weight(model),
+        "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
+    }
 
 
 def _scenario_own_step(strategy):
@@ -658,8 +662,11 @@ def _scenario_own_step(strategy):
 
     model = _one_weight_model(OwnStep, strategy)
     history = _fit(model, _dataset(X, Y, batch_size=2))
-    return {"gradients": _tolist(model.gradients), "weight": _weight(model),
-            "grad_norm": [float(v) for v in history.history["grad_norm"]]}
+    return {
+        "gradients": _tolist(model.gradients),
+        "weight": _weight(model),
+        "grad_norm": [float(v) for v in history.history["grad_norm"]],
+    }
 
 
 def _worker_scenario():

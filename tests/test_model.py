@@ -1,5 +1,5 @@
-"""End-to-end tests of `KeepGradModel` against CONTRACT.md "Model" and
-"What is kept", on numbers a person can check by hand (see conftest.py)."""
+"""End-to-end tests of `KeepGradModel`: the model and exactly what it keeps,
+on numbers a person can check by hand (see conftest.py)."""
 
 import collections
 import contextlib
@@ -62,8 +62,14 @@ def test_every_batch_is_kept_in_order(mode):
     model = one_weight()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
     rec = Recorder()
-    model.fit(np.tile(X, (3, 1)), np.tile(Y, (3, 1)), batch_size=2, shuffle=False,
-              verbose=0, callbacks=[rec])
+    model.fit(
+        np.tile(X, (3, 1)),
+        np.tile(Y, (3, 1)),
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[rec],
+    )
     assert rec.seen == [15.0, 7.5, 3.75]
     # Before the first step there is no computed gradient to show.
     assert isinstance(rec.at_begin, RuntimeError)
@@ -81,11 +87,16 @@ def test_train_on_batch_keeps_gradients(mode):
 
 def test_steps_per_execution_callbacks_see_the_last_step():
     model = one_weight()
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-                  steps_per_execution=3)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=3)
     rec = Recorder()
-    model.fit(np.tile(X, (3, 1)), np.tile(Y, (3, 1)), batch_size=2, shuffle=False,
-              verbose=0, callbacks=[rec])
+    model.fit(
+        np.tile(X, (3, 1)),
+        np.tile(Y, (3, 1)),
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[rec],
+    )
     # One execution of three steps (15, 7.5, 3.75): the callback sees the last.
     assert rec.seen == [3.75]
 
@@ -110,9 +121,7 @@ def test_structure_equals_state_tree_and_frozen_layer_is_absent():
     model.fit(X, Y, batch_size=2, verbose=0)
     tree = model.get_state_tree()["trainable_variables"]
     grads = model.gradients
-    assert tf.nest.map_structure(lambda _: 0, grads) == tf.nest.map_structure(
-        lambda _: 0, tree
-    )
+    assert tf.nest.map_structure(lambda _: 0, grads) == tf.nest.map_structure(lambda _: 0, tree)
     assert "frozen" not in grads
     np.testing.assert_array_equal(hidden.kernel.numpy(), [[2.0]])
     # loss = mean((3*2*x)^2) -> d/dw_head = 2*w_head*h^2 mean = 2*3*4*2.5 = 60.
@@ -181,8 +190,14 @@ def test_kept_gradients_are_unscaled_in_every_scaling_mode(jit):
         model.compile(optimizer=make(), loss="mse", jit_compile=jit)
         rec = Recorder()
         # Four steps: the dynamic scale doubles twice on the way.
-        model.fit(np.tile(X, (4, 1)), np.tile(Y, (4, 1)), batch_size=2,
-                  shuffle=False, verbose=0, callbacks=[rec])
+        model.fit(
+            np.tile(X, (4, 1)),
+            np.tile(Y, (4, 1)),
+            batch_size=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[rec],
+        )
         seen[name] = (rec.seen, model.get_weights()[0].tolist())
     assert seen["none"][0] == [15.0, 7.5, 3.75, 1.875]
     assert seen["static"] == seen["none"]
@@ -198,8 +213,14 @@ def test_mixed_precision_policies_end_to_end(policy):
         # Keras wraps the optimizer itself under mixed_float16.
         assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     rec = Recorder()
-    model.fit(np.tile(X, (4, 1)), np.tile(Y, (4, 1)), batch_size=2, shuffle=False,
-              verbose=0, callbacks=[rec])
+    model.fit(
+        np.tile(X, (4, 1)),
+        np.tile(Y, (4, 1)),
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[rec],
+    )
     # 3, 6, 1.5, 3 and their squares are exact in float16 and bfloat16.
     if policy == "mixed_bfloat16":
         assert rec.seen == [15.0, 7.5, 3.75, 1.875]
@@ -254,8 +275,14 @@ def test_step_skipped_by_dynamic_scaling_keeps_its_non_finite_gradients():
     )
     model.compile(optimizer=optimizer, loss="mse")
     rec = Recorder()
-    model.fit(np.tile(X, (4, 1)), np.tile(Y, (4, 1)), batch_size=2, shuffle=False,
-              verbose=0, callbacks=[rec])
+    model.fit(
+        np.tile(X, (4, 1)),
+        np.tile(Y, (4, 1)),
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[rec],
+    )
     assert [np.isfinite(g) for g in rec.seen] == [False, False, False, True]
     assert rec.seen[3] == 15.0  # the skipped steps left w = 3 unchanged
     np.testing.assert_array_equal(model.get_weights()[0], [[1.5]])
@@ -377,12 +404,8 @@ class _EmbeddingNet(kg.KeepGradModel):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.emb = keras.layers.Embedding(
-            5, 2, embeddings_initializer="ones", name="emb"
-        )
-        self.head = keras.layers.Dense(
-            1, use_bias=False, kernel_initializer="ones", name="head"
-        )
+        self.emb = keras.layers.Embedding(5, 2, embeddings_initializer="ones", name="emb")
+        self.head = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", name="head")
 
     def call(self, ids):
         return self.head(keras.ops.reshape(self.emb(ids), (-1, 6)))
@@ -514,7 +537,8 @@ def test_under_xla_the_step_is_compiled_and_only_rows_are_written_outside(optimi
     # Every other variable write (the update, the optimizer's iterations, the loss
     # tracker) is inside in both, the same ones.
     writes = {
-        op for op in set(kept_in) | set(plain_in) | set(kept_out) | set(plain_out)
+        op
+        for op in set(kept_in) | set(plain_in) | set(kept_out) | set(plain_out)
         if op != "AssignVariableOp"
         and (op.startswith("Assign") or op.startswith("ResourceScatter"))
     }
@@ -531,9 +555,7 @@ OPTIMIZERS = {
     "adam": lambda lr: keras.optimizers.Adam(lr),
     "adamw": lambda lr: keras.optimizers.AdamW(lr),
     "sgd_momentum": lambda lr: keras.optimizers.SGD(lr, momentum=0.5),
-    "loss_scale_adam": lambda lr: keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.Adam(lr)
-    ),
+    "loss_scale_adam": lambda lr: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(lr)),
 }
 
 
@@ -562,7 +584,8 @@ def test_under_xla_a_gradient_the_update_densifies_anyway_is_kept_dense(
     ids = np.array([[1, 1, 3], [0, 1, 4], [2, 2, 2]], dtype="int32")
     y = np.zeros((3, 1), "float32")
     model = _embedding_net(
-        OPTIMIZERS[optimizer](0.0), compile_options={"jit_compile": jit_compile},
+        OPTIMIZERS[optimizer](0.0),
+        compile_options={"jit_compile": jit_compile},
         keep_every=keep_every,
     )
     model.fit(ids, y, batch_size=2, shuffle=False, verbose=0)
@@ -666,6 +689,7 @@ def test_off_is_a_plain_keras_model():
     for model in (off, plain):
         model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
         model.fit(X, Y, batch_size=2, verbose=0)
+
     def described(variables):
         return [(v.name, tuple(v.shape), v.dtype) for v in variables]
 
@@ -700,8 +724,7 @@ def test_off_traces_exactly_the_ops_of_a_plain_model():
     for jit_compile in (False, True):
         counts = []
         for model in (one_weight(cls=keras.Model), one_weight(keep_gradients=False)):
-            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-                          jit_compile=jit_compile)
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=jit_compile)
             model.fit(dataset, shuffle=False, verbose=0)
             counts.append(_ops_inside_and_outside_xla(model, dataset))
         assert counts[0] == counts[1]
@@ -817,8 +840,10 @@ def test_functional_and_subclassing_work_in_both_orders():
         assert fn.gradients and isinstance(fn, kg.KeepGradModel)
     """
     head = "import keras, numpy as np\nimport keras_keepgrad as kg\n"
-    for order in ([functional, subclass, functional_subclass, subclass],
-                  [subclass, functional_subclass, functional, subclass]):
+    for order in (
+        [functional, subclass, functional_subclass, subclass],
+        [subclass, functional_subclass, functional, subclass],
+    ):
         code = head + "".join(textwrap.dedent(part) for part in order)
         code += "\nassert kg.KeepGradModel.__bases__ == (keras.Model,)\nprint('ok')\n"
         result = run_py(code)
@@ -833,6 +858,7 @@ def test_keep_gradients_shares_the_original_variables(kind):
         inputs = keras.Input((1,))
         original = keras.Model(inputs, dense_0()(inputs))
     else:
+
         class Net(keras.Model):
             def __init__(self):
                 super().__init__()
@@ -876,7 +902,8 @@ def test_a_wrapped_model_shows_its_layers_and_adds_no_name_scope():
     bare = kg.keep_gradients(original)
     original.compile(optimizer="sgd", loss="mse")
     assert hasattr(original, "_compile_config")
-    with pytest.raises(AttributeError, match="'WrappedKeepGradModel' object has no attribute '_compile_config'"):
+    match = "'WrappedKeepGradModel' object has no attribute '_compile_config'"
+    with pytest.raises(AttributeError, match=match):
         bare._compile_config
     assert bare.get_compile_config() == {} and original.get_compile_config()
     assert {"d", "units"} <= set(dir(model)) and "model" not in dir(model)
@@ -927,7 +954,10 @@ def test_keep_gradients_warns_about_step_methods_it_will_not_run():
         def compute_loss(self, *args, **kwargs):
             return 2.0 * super().compute_loss(*args, **kwargs)
 
-    match = r"keep_gradients\(\): Net overrides \['compute_loss'\], which the returned model does not run"
+    match = (
+        r"keep_gradients\(\): Net overrides \['compute_loss'\], "
+        r"which the returned model does not run"
+    )
     with pytest.warns(UserWarning, match=match):
         model = kg.keep_gradients(Net())
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
@@ -997,8 +1027,14 @@ def test_keep_every_writes_steps_1_3_5_and_holds_between(mode):
     model = one_weight(keep_every=2)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
     rec = Recorder()
-    model.fit(np.tile(X, (5, 1)), np.tile(Y, (5, 1)), batch_size=2, shuffle=False,
-              verbose=0, callbacks=[rec])
+    model.fit(
+        np.tile(X, (5, 1)),
+        np.tile(Y, (5, 1)),
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[rec],
+    )
     # 5w at w = 3, 1.5, 0.75, 0.375, 0.1875; only steps 1, 3, 5 are written.
     assert rec.seen == [15.0, 15.0, 3.75, 3.75, 0.9375]
     assert model.get_config()["keep_every"] == 2
@@ -1014,7 +1050,8 @@ def test_keep_every_takes_a_numpy_int_and_stores_an_int():
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "2", np.int64(0)])
 def test_bad_keep_every_is_rejected(value):
-    with pytest.raises(ValueError, match=r"`keep_every` must be a positive int.*Received: keep_every="):
+    match = r"`keep_every` must be a positive int.*Received: keep_every="
+    with pytest.raises(ValueError, match=match):
         one_weight(keep_every=value)
 
 
