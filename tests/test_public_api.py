@@ -25,6 +25,7 @@ SIGNATURES = {
         "(self, *args, keep_gradients=True, save_gradients=False, keep_every=1, **kwargs)"
     ),
     kg.keep_gradients: "(model, **options)",
+    kg.KeepGradModel.keep_step_gradients: "(self, grads, variables)",
     kg.metrics.GradientMetric: "(fn, name=None, reduction='mean', **kwargs)",
     kg.metrics.GradientNorm: "(per_layer=False, name='grad_norm', reduction='mean', **kwargs)",
     kg.metrics.GradientMaxAbs: "(name='grad_max_abs', reduction='max', **kwargs)",
@@ -85,6 +86,7 @@ def test_the_model_members_and_base_classes():
     for name in ("gradients", "gradient_dtypes", "keep_gradients", "save_gradients", "keep_every"):
         assert name in dir(kg.KeepGradModel), name
     assert callable(kg.KeepGradModel.get_gradients_by_path)
+    assert callable(kg.KeepGradModel.keep_step_gradients)
     assert issubclass(kg.callbacks.GradientTensorBoard, keras.callbacks.TensorBoard)
     for name in ("GradientMonitor", "GradientSnapshot"):
         assert issubclass(getattr(kg.callbacks, name), keras.callbacks.Callback), name
