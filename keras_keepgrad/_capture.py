@@ -22,6 +22,7 @@ import keras
 __all__ = [
     "Step",
     "current_step",
+    "do_not_convert",
     "install",
     "nothing_kept_message",
     "training_step",
@@ -132,10 +133,10 @@ def _capturing(apply):
         return step.keeper.keep_from_optimizer(step, optimizer, variables, grads, run)
 
     capturing_apply._keepgrad_original = apply
-    return _do_not_convert(capturing_apply)
+    return do_not_convert(capturing_apply)
 
 
-def _do_not_convert(fn):
+def do_not_convert(fn):
     """`fn`, marked for TensorFlow's AutoGraph (if that is the backend)."""
     if keras.backend.backend() != "tensorflow":
         return fn

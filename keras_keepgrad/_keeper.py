@@ -48,6 +48,7 @@ __all__ = [
     "replica_spec",
     "unscale",
     "with_batch_axis",
+    "writes_sparse_after_xla",
 ]
 
 
@@ -324,6 +325,25 @@ def agree_on_skip(optimizer, grads):
 
     present = iter(tf.cond(finite, lambda: present, lambda: [_map_values(g, nan) for g in present]))
     return [None if g is None else next(present) for g in grads]
+
+
+def writes_sparse_after_xla(jit_compile, run_eagerly, strategy):
+    """Whether a step is compiled with XLA and sparse slots written after it.
+
+    Not under a `tf.distribute` strategy (other than one device): its
+    replica threads cannot `merge_call` (as Keras's optimizer does) from a
+    function nested in `strategy.run`, so there the slots are dense.
+
+    Args:
+        jit_compile: The model's `jit_compile`.
+        run_eagerly: The model's `run_eagerly`.
+        strategy: The strategy the model was made under, or None.
+    """
+    return (
+        jit_compile
+        and not run_eagerly
+        and (strategy is None or isinstance(strategy, tf.distribute.OneDeviceStrategy))
+    )
 
 
 def with_batch_axis(step_function):
@@ -723,6 +743,30 @@ class GradientKeeper:
         finally:
             self._deferred = previous
         self._deferred_slots = deferred.slots
+
+    def with_sparse_writes_after_xla(self, step_function):
+        """`step_function` compiled with XLA, its sparse slots written after.
+
+        Keras compiles its whole step function with XLA when `jit_compile`;
+        this compiles the step alone, returns the batch's rows of the sparse
+        gradients out of it, and writes them in the same training function.
+        """
+
+        @tf.autograph.experimental.do_not_convert
+        def compiled(data):
+            with self.deferring_sparse_writes() as deferred:
+                logs = step_function(data)
+            return logs, deferred.tensors()
+
+        compiled = tf.function(compiled, reduce_retracing=True, jit_compile=True)
+
+        @tf.autograph.experimental.do_not_convert
+        def step(data):
+            logs, rows = compiled(data)
+            self.write_deferred(rows)
+            return logs
+
+        return step
 
     def write_deferred(self, tensors):
         """Makes the sparse writes a `deferring_sparse_writes` block collected.

@@ -68,7 +68,7 @@ def _keeping(train_step):
     return keeping
 
 
-@tf.autograph.experimental.do_not_convert  # a `tf.function` may convert `train_step`
+@_capture.do_not_convert  # a `tf.function` may convert `train_step`
 def _keeping_context(model):
     """The context of one keeping step of `model`; none if it keeps nothing
     or is in its step already."""
@@ -253,7 +253,7 @@ class KeepGradModel(keras.Model):
             # compiles the step, and sparse slots (whose row count follows
             # the batch, which an XLA program cannot write) are written
             # after it, from the rows it returns.
-            step_function = self._with_sparse_writes_after_xla(step_function)
+            step_function = self._keeper.with_sparse_writes_after_xla(step_function)
             self._pending.xla_inside_step = True
             try:
                 return super()._make_function(step_function)
@@ -281,38 +281,10 @@ class KeepGradModel(keras.Model):
         )
 
     def _writes_sparse_after_xla(self):
-        """Whether the training step is compiled with XLA and sparse slots
-        are written after it (see `_make_function`).
-
-        Not under a `tf.distribute` strategy (other than one device): its
-        replica threads cannot `merge_call` (as Keras's optimizer does) from
-        a function nested in `strategy.run`, so there the slots are dense.
-        """
-        strategy = self._distribute_strategy
-        return (
-            self.jit_compile
-            and not self.run_eagerly
-            and (strategy is None or isinstance(strategy, tf.distribute.OneDeviceStrategy))
+        """Whether the step is compiled with XLA, sparse slots written after it."""
+        return _keeper.writes_sparse_after_xla(
+            self.jit_compile, self.run_eagerly, self._distribute_strategy
         )
-
-    def _with_sparse_writes_after_xla(self, step_function):
-        keeper = self._keeper
-
-        @tf.autograph.experimental.do_not_convert
-        def compiled(data):
-            with keeper.deferring_sparse_writes() as deferred:
-                logs = step_function(data)
-            return logs, deferred.tensors()
-
-        compiled = tf.function(compiled, reduce_retracing=True, jit_compile=True)
-
-        @tf.autograph.experimental.do_not_convert
-        def step(data):
-            logs, rows = compiled(data)
-            keeper.write_deferred(rows)
-            return logs
-
-        return step
 
     @property
     def jit_compile(self):
