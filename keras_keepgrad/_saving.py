@@ -150,8 +150,11 @@ class KeptGradientsState(KerasSaveable):
                 stacklevel=2,
             )
             return
-        for index, (path, grad) in enumerate(grads.items()):
-            store[gradient_key(index, path)] = grad
+        # Keyed by position in `model.trainable_variables`, which loading
+        # matches: a step may keep only some of them.
+        order = {v.path: i for i, v in enumerate(model.trainable_variables)}
+        for path, grad in grads.items():
+            store[gradient_key(order[path], path)] = grad
 
     def load_own_variables(self, store):
         """Restores the gradients saved in `store`, if there are any.

@@ -7,6 +7,7 @@ y = 0, mse, so the gradient is 5w = 15 and SGD(0.1) makes w = 1.5.
 
 import warnings
 
+import h5py
 import keras
 import numpy as np
 import pytest
@@ -294,24 +295,49 @@ def test_a_gradient_metric_in_a_step_that_keeps_nothing_raises():
         model.fit(X, Y, batch_size=2, verbose=0)
 
 
-def test_variables_no_optimizer_receives_are_absent_with_a_warning():
-    class HeadOnly(kg.KeepGradModel):
-        def train_step(self, data):
-            x, y = data
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean((self(x) - y) ** 2)
-            head = [v for v in self.trainable_variables if "head" in v.path]
-            self.optimizer.apply(tape.gradient(loss, head), head)
-            return {"loss": loss}
+class HeadOnly(kg.KeepGradModel):
+    """Trains only its `head` layer with the optimizer."""
 
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((self(x) - y) ** 2)
+        head = [v for v in self.trainable_variables if "head" in v.path]
+        self.optimizer.apply(tape.gradient(loss, head), head)
+        return {"loss": loss}
+
+
+def head_only(**options):
     inputs = keras.Input((1,))
     hidden = dense_0(name="body", w=1.0)(inputs)
-    model = HeadOnly(inputs, dense_0(name="head")(hidden))
+    model = HeadOnly(inputs, dense_0(name="head")(hidden), **options)
     model.compile(optimizer=keras.optimizers.SGD(0.1))
+    return model
+
+
+def test_variables_no_optimizer_receives_are_absent_with_a_warning():
+    model = head_only()
     with pytest.warns(UserWarning, match=r"\['body/kernel'\] to any optimizer"):
         model.fit(X, Y, batch_size=2, verbose=0)
     # d/dh mean((h b x)^2) = 2 h b^2 mean(x^2) = 2 * 3 * 2.5 = 15; no body entry.
     assert list(model.get_gradients_by_path()) == ["head/kernel"]
+    assert kernel(model, "head") == 15.0
+
+
+def test_a_partly_kept_step_saves_its_gradients_by_variable_position(tmp_path):
+    model = head_only(save_gradients=True)
+    with pytest.warns(UserWarning, match="to any optimizer"):
+        model.fit(X, Y, batch_size=2, verbose=0)
+    path = str(tmp_path / "m.weights.h5")
+    model.save_weights(path)
+    with h5py.File(path) as f:
+        group = f["_kept_gradients/vars"]
+        assert list(group) == ["1:head%2Fkernel"]  # head is variable 1
+        assert group["1:head%2Fkernel"][()].tolist() == [[15.0]]
+    # Loading needs one gradient per trainable variable: it says so, and
+    # changes nothing.
+    with pytest.raises(ValueError, match="holds gradients for 1 variables"):
+        model.load_weights(path)
     assert kernel(model, "head") == 15.0
 
 
