@@ -100,6 +100,15 @@ def nothing_kept_message(model):
     )
 
 
+def do_not_convert(fn):
+    """`fn`, marked for TensorFlow's AutoGraph (if that is the backend)."""
+    if keras.backend.backend() != "tensorflow":
+        return fn
+    import tensorflow as tf
+
+    return tf.autograph.experimental.do_not_convert(fn)
+
+
 def _capturing(apply):
     """`apply` of an optimizer class, wrapped to hand gradients over first."""
 
@@ -136,18 +145,7 @@ def _capturing(apply):
     return do_not_convert(capturing_apply)
 
 
-def do_not_convert(fn):
-    """`fn`, marked for TensorFlow's AutoGraph (if that is the backend)."""
-    if keras.backend.backend() != "tensorflow":
-        return fn
-    import tensorflow as tf
-
-    return tf.autograph.experimental.do_not_convert(fn)
-
-
 _install_lock = threading.Lock()
-
-
 _installed = False
 
 

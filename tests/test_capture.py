@@ -465,3 +465,19 @@ def test_nothing_trainable_logs_the_real_loss():
     # mean((3 x)^2) = 9 * 2.5.
     assert losses == [[22.5], [22.5]]
     assert model.gradients == {}
+
+
+def test_an_optimizer_class_defined_later_is_kept_once_at_its_own_apply():
+    # Made after other models trained, with `apply` of its own that halves
+    # the gradients before Keras's `apply`: the step handed it 5w = 15, and
+    # that is what is kept (once, not again at the base class's `apply`).
+    class Halving(keras.optimizers.SGD):
+        def apply(self, grads, trainable_variables=None):
+            return super().apply([0.5 * g for g in grads], trainable_variables)
+
+    inputs = keras.Input((1,))
+    model = kg.KeepGradModel(inputs, dense_0()(inputs))
+    model.compile(optimizer=Halving(0.1), loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
+    assert kernel(model) == 15.0
+    assert float(model.get_weights()[0][0, 0]) == 3.0 - 0.1 * 7.5
