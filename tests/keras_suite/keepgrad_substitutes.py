@@ -63,11 +63,18 @@ class KeepGradTrainer(kg.KeepGradModel):
     `layers.Dense.__init__(self, ...)` then `Trainer.__init__(self)`. The
     kept copy writes `class M(layers.Dense, Trainer)`: `Model`'s own `call`
     and config methods, which a `KeepGradModel` brings, would otherwise hide
-    the layer's. `Trainer.__init__(self)` then runs `KeepGradModel.__init__`
-    without initialising the layer a second time.
+    the layer's. Then:
+
+    - the layer's `super().__init__(...)` reaches this class first, and goes
+      on as it would in plain Keras, to `Layer.__init__`;
+    - `Trainer.__init__(self)` runs `KeepGradModel.__init__` without
+      initialising the layer a second time.
     """
 
     def __init__(self, *args, **kwargs):
+        if "_dtype_policy" not in vars(self):  # the layer's own chain
+            Layer.__init__(self, *args, **kwargs)
+            return
         layer_init = Layer.__init__
         Layer.__init__ = _initialised_already
         try:
@@ -112,8 +119,12 @@ def _replacements():
     return {id(old): new for old, new in {**classes, **modules}.items()}
 
 
-def substitute(namespace):
+def substitute(namespace, keep=()):
     """Rebinds, in a test module's `namespace`, Keras's model names.
+
+    Args:
+        namespace: Dict. A module's globals.
+        keep: Names to leave as they are.
 
     Returns:
         The sorted names rebound.
@@ -121,7 +132,7 @@ def substitute(namespace):
     replacements = _replacements()
     rebound = []
     for name, value in list(namespace.items()):
-        if name.startswith("__"):
+        if name.startswith("__") or name in keep:
             continue
         new = replacements.get(id(value))
         if new is not None:

@@ -38,21 +38,25 @@ def _message(report):
     return lines[-1][:500] if lines else ""
 
 
-def _record(nodeid, outcome, message):
-    previous = _OUTCOMES.get(nodeid)
-    if previous is None or _RANK[outcome] > _RANK[previous["outcome"]]:
-        _OUTCOMES[nodeid] = {"outcome": outcome, "message": message}
+def _record(nodeid, outcome, message, seconds=0.0):
+    previous = _OUTCOMES.setdefault(
+        nodeid, {"outcome": outcome, "message": message, "seconds": 0.0}
+    )
+    if _RANK[outcome] > _RANK[previous["outcome"]]:
+        previous.update(outcome=outcome, message=message)
+    previous["seconds"] = round(previous["seconds"] + seconds, 3)
 
 
 def pytest_runtest_logreport(report):
+    seconds = report.duration
     if report.passed:
-        _record(report.nodeid, "passed", "")
+        _record(report.nodeid, "passed", "", seconds)
     elif report.skipped:
-        _record(report.nodeid, "skipped", _message(report))
+        _record(report.nodeid, "skipped", _message(report), seconds)
     elif report.when == "call":
-        _record(report.nodeid, "failed", _message(report))
+        _record(report.nodeid, "failed", _message(report), seconds)
     else:  # setup or teardown
-        _record(report.nodeid, "error", f"{report.when}: {_message(report)}")
+        _record(report.nodeid, "error", f"{report.when}: {_message(report)}", seconds)
 
 
 def pytest_collectreport(report):
