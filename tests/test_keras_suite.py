@@ -128,6 +128,7 @@ def test_kept_trainer_test_mixes_the_layer_in_first():
     kept = run.transform(source, "trainers/trainer_test.py", "kept")
     assert "class ExampleModel(layers.Dense, Trainer):" in kept
     assert "class StructModel(Trainer, layers.Layer):" in kept
+    assert "self.layers" not in kept and kept.count("self.dense_layers") == 3
     assert kept.index("_keras_suite.substitute(globals(), keep=[])") < kept.index(
         "class ExampleModel"
     )
