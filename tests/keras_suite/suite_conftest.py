@@ -31,7 +31,9 @@ def pytest_configure(config):
 def _message(report):
     crash = getattr(report.longrepr, "reprcrash", None)
     if crash is not None:
-        return crash.message.strip().splitlines()[0][:500] if crash.message else ""
+        # The first lines: an assertion's own line is often only its type.
+        lines = [line.strip() for line in crash.message.splitlines() if line.strip()]
+        return " | ".join(lines[:6])[:500]
     if isinstance(report.longrepr, tuple):  # a skip: (path, line, reason)
         return str(report.longrepr[-1])[:500]
     lines = str(report.longrepr).strip().splitlines()
