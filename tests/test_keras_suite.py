@@ -1,0 +1,172 @@
+"""The Keras-suite harness (tests/keras_suite) substitutes what it says.
+
+The suite itself (Keras's own tests on plain Keras and on `KeepGradModel`)
+takes about ten minutes and runs as its own CI step:
+`python3 tests/keras_suite/run.py`, or here with `-m keras_suite`.
+"""
+
+import importlib.util
+import os
+import types
+
+import keras
+import numpy as np
+import pytest
+from conftest import X
+from conftest import Y
+from conftest import dense_0
+
+import keras_keepgrad as kg
+
+SUITE = os.path.join(os.path.dirname(__file__), "keras_suite")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(
+        f"keras_suite_{name}", os.path.join(SUITE, f"{name}.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+run = _load("run")
+subs = _load("keepgrad_substitutes")
+
+
+def _kernel_gradient_after_one_step(model, path):
+    # loss = mean((w*x)^2), x = [1, 2], w = 3 -> d/dw = 5w = 15; SGD(0.1): 1.5.
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(X, Y, batch_size=2, epochs=1, verbose=0)
+    assert model.get_gradients_by_path()[path].numpy().tolist() == [[15.0]]
+    assert model.get_weights()[0].tolist() == [[1.5]]
+
+
+def _kept_namespace():
+    from keras.src import models as src_models
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from keras.src.models.functional import Functional
+
+    namespace = {
+        "keras": keras,
+        "models": src_models,
+        "Model": keras.Model,
+        "Sequential": keras.Sequential,
+        "Functional": Functional,
+        "Trainer": TensorFlowTrainer,
+        "np": np,
+        "layers": keras.layers,
+    }
+    rebound = subs.substitute(namespace)
+    assert rebound == ["Functional", "Model", "Sequential", "Trainer", "keras", "models"]
+    return types.SimpleNamespace(**namespace)
+
+
+def test_substitute_rebinds_only_the_model_classes():
+    kept = _kept_namespace()
+    assert kept.Model is kg.KeepGradModel
+    assert kept.keras.Model is kg.KeepGradModel
+    assert kept.keras.models.Model is kg.KeepGradModel
+    assert kept.models.Sequential is subs.KeepGradSequential
+    assert kept.keras.Sequential is subs.KeepGradSequential
+    assert kept.models.Functional is subs.functional_class()
+    assert kept.Trainer is subs.KeepGradTrainer
+    # Everything else is Keras's own.
+    assert kept.keras.layers is keras.layers
+    assert kept.keras.Input is keras.Input
+    assert kept.models.cloning is keras.src.models.cloning
+    assert kept.np is np and kept.layers is keras.layers
+
+
+def test_substitute_keeps_the_names_asked():
+    from keras.src.models.functional import Functional
+
+    namespace = {"Functional": Functional, "Model": keras.Model}
+    assert subs.substitute(namespace, keep=["Functional"]) == ["Model"]
+    assert namespace == {"Functional": Functional, "Model": kg.KeepGradModel}
+
+
+def test_kept_functional_trains_through_keepgradmodel():
+    kept = _kept_namespace()
+    inputs = keras.Input((1,))
+    model = kept.keras.Model(inputs, dense_0()(inputs))
+    assert isinstance(model, kg.KeepGradModel)
+    _kernel_gradient_after_one_step(model, "dense_0/kernel")
+
+
+def test_kept_sequential_trains_through_keepgradmodel():
+    kept = _kept_namespace()
+    model = kept.Sequential([keras.Input((1,)), dense_0()], name="seq")
+    model.add(keras.layers.Identity())
+    model.pop()
+    assert isinstance(model, kg.KeepGradModel)
+    assert isinstance(model, keras.Sequential)
+    _kernel_gradient_after_one_step(model, "seq/dense_0/kernel")
+
+
+def test_kept_trainer_mixin_trains_through_keepgradmodel():
+    kept = _kept_namespace()
+
+    # As trainer_test.py's `ExampleModel`, with the layer base first.
+    class ExampleModel(kept.layers.Dense, kept.Trainer):
+        def __init__(self):
+            kept.layers.Dense.__init__(
+                self, 1, use_bias=False,
+                kernel_initializer=keras.initializers.Constant(3.0), name="dense_0",
+            )
+            kept.Trainer.__init__(self)
+
+    model = ExampleModel()
+    assert model.units == 1 and model.name == "dense_0"  # not initialised again
+    assert model(X).numpy().tolist() == [[3.0], [6.0]]  # Dense's call
+    _kernel_gradient_after_one_step(model, "dense_0/kernel")
+
+
+def test_kept_trainer_test_mixes_the_layer_in_first():
+    with open(os.path.join(run.KERAS_SRC, "trainers", "trainer_test.py")) as f:
+        source = f.read()
+    kept = run.transform(source, "trainers/trainer_test.py", "kept")
+    assert "class ExampleModel(layers.Dense, Trainer):" in kept
+    assert "class StructModel(Trainer, layers.Layer):" in kept
+    assert "self.layers" not in kept and kept.count("self.dense_layers") == 3
+    assert kept.index("_keras_suite.substitute(globals(), keep=[])") < kept.index(
+        "class ExampleModel"
+    )
+    assert run.transform(source, "trainers/trainer_test.py", "plain") == source.replace(
+        run._JAX_IMPORT, run._JAX_GUARDED, 1
+    )
+
+
+def test_differences_are_tests_passing_plain_only():
+    plain = {
+        "a.py::t1": {"outcome": "passed"},
+        "a.py::t2": {"outcome": "passed"},
+        "a.py::t3": {"outcome": "failed"},
+        "b.py::t4": {"outcome": "passed"},
+        "a.py::t5": {"outcome": "passed"},
+    }
+    kept = {
+        "a.py::t1": {"outcome": "passed", "message": ""},
+        "a.py::t2": {"outcome": "failed", "message": "E: x"},
+        "a.py::t3": {"outcome": "failed", "message": "E: y"},
+        "b.py": {"outcome": "error", "message": "collection: E: z"},
+    }
+    assert run.differences(plain, kept) == {
+        "a.py::t2": ("failed", "E: x"),
+        "a.py::t5": ("missing", ""),
+        "b.py::t4": ("error", "collection: E: z"),
+    }
+
+
+def test_every_known_difference_has_a_reason_and_a_file_in_scope():
+    known = run.read_known_differences(run.KNOWN_DIFFERENCES)
+    files = run.selected_files([])
+    for pattern, reason in known.items():
+        assert len(reason) > 10, pattern
+        assert any(pattern.split("::")[0] == f for f in files), pattern
+
+
+@pytest.mark.slow
+@pytest.mark.keras_suite
+def test_keras_suite_passes_on_keepgradmodel():
+    assert run.main([]) == 0
