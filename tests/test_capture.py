@@ -481,3 +481,30 @@ def test_an_optimizer_class_defined_later_is_kept_once_at_its_own_apply():
     model.fit(X, Y, batch_size=2, verbose=0)
     assert kernel(model) == 15.0
     assert float(model.get_weights()[0][0, 0]) == 3.0 - 0.1 * 7.5
+
+
+def test_a_gans_gradients_reach_tensorboard_and_the_monitor(tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator
+
+    gan = OneWeightGAN(penalty=1.0)
+    gan.compile(d_optimizer=keras.optimizers.SGD(0.03125), g_optimizer=keras.optimizers.SGD(0.5))
+    board = kg.callbacks.GradientTensorBoard(str(tmp_path), update_freq=1)
+    monitor = kg.callbacks.GradientMonitor(exploding_threshold=30.0)
+    z = np.ones((2, 1), "float32")
+    with warnings.catch_warnings():
+        # The monitor's own warning; its event is checked below.
+        warnings.filterwarnings("ignore", message=".*exploding gradients", category=UserWarning)
+        gan.fit(X, z, batch_size=2, verbose=0, callbacks=[board, monitor])
+    (event,) = monitor.events
+    assert (event["kind"], event["step"]) == ("exploding", 1)
+    assert "global norm 40.95" in event["message"]
+    acc = event_accumulator.EventAccumulator(
+        str(tmp_path / "train"), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    acc.Reload()
+    (event,) = acc.Tensors("gradients/global_norm")
+    # Both optimizers' gradients: sqrt(40^2 + 8.75^2).
+    assert event.step == 1
+    assert float(tf.make_ndarray(event.tensor_proto)) == pytest.approx(
+        np.hypot(40.0, 8.75), rel=1e-6
+    )
