@@ -563,7 +563,7 @@ OPTIMIZERS = {
     "optimizer, keep_every, jit_compile, dense",
     [
         ("adam", 1, True, True),
-        ("adamw", 1, True, True),
+        pytest.param("adamw", 1, True, True, marks=pytest.mark.slow),
         # Kept every other step: the write is conditional, XLA cannot share
         # the sum with the update, so rows.
         ("adam", 2, True, False),
@@ -571,7 +571,7 @@ OPTIMIZERS = {
         # Momentum densifies -lr * g, not g; the loss-scale optimizer's
         # update is inside a conditional: rows.
         ("sgd_momentum", 1, True, False),
-        ("loss_scale_adam", 1, True, False),
+        pytest.param("loss_scale_adam", 1, True, False, marks=pytest.mark.slow),
     ],
 )
 def test_under_xla_a_gradient_the_update_densifies_anyway_is_kept_dense(
@@ -632,11 +632,12 @@ class CountingAdam(keras.optimizers.Adam):
         super().update_step(gradient, variable, learning_rate)
 
 
+@pytest.mark.slow  # XLA compiles two models
 def test_an_update_that_creates_variables_is_traced_for_the_slots_and_runs_as_in_keras():
-    # Under XLA `_build_slots` traces the optimizer's update without running
-    # it (to see whether Adam densifies the sparse gradient). An optimizer
-    # that creates a variable there still counts only the real updates and
-    # trains as in plain Keras.
+    # Under XLA the slots of sparse gradients are made once the optimizer's
+    # update is traced (to see whether Adam densifies them). An optimizer
+    # that creates a variable in its update still counts only the real
+    # updates and trains as in plain Keras.
     ids = np.array([[1, 1, 3], [0, 1, 4], [2, 2, 2]], dtype="int32")
     y = np.zeros((3, 1), "float32")
     kept, plain = _embedding_pair(lambda: CountingAdam(0.1), {"jit_compile": True})
@@ -811,6 +812,7 @@ def test_kept_gradients_are_not_weights_nor_checkpointed(tmp_path):
 # --- construction --------------------------------------------------------
 
 
+@pytest.mark.slow  # fresh processes
 def test_functional_and_subclassing_work_in_both_orders():
     functional = """
         inputs = keras.Input((1,))
