@@ -358,8 +358,9 @@ class GradientNoiseScale(_SmallBatches):
             `grad_noise_scale`). Defaults to `False`.
         name: String. Log key. Defaults to `"grad_noise_scale"`.
         reduction: String. `"last"`, `"mean"`, `"sum"` or `"max"`, as for
-            `GradientMetric`, over the steps with an estimate. Defaults to
-            `"last"`.
+            `GradientMetric`, of the current estimate over the epoch's
+            steps that have one (from the first complete estimate on).
+            Defaults to `"last"`.
         **kwargs: Passed on to `GradientMetric`.
 
     Raises:
