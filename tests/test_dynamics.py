@@ -243,6 +243,52 @@ def test_snr_per_layer_and_global_over_windows_of_two():
     assert history["snr"] == [pytest.approx((math.sqrt(0.5) + math.sqrt(26 / 340)) / 2, rel=1e-6)]
 
 
+class StepWithoutBatch(kg.KeepGradModel):
+    """A user's own step that updates `watched` metrics without `y_pred`.
+
+    They are not compiled in: their state is made in the first step.
+    """
+
+    watched = ()
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        variables = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, variables), variables)
+        for metric in self.watched:
+            metric.update_state()
+        return {"loss": loss}
+
+
+def test_noise_scale_without_y_pred_names_the_fix():
+    inputs = keras.Input((1,))
+    model = StepWithoutBatch(inputs, keras.layers.Dense(1, name="dense_0")(inputs))
+    model.watched = [kgm.GradientNoiseScale()]
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((2, 1), "float32")
+    with pytest.raises(ValueError, match=r"first axis of `y_pred`.*compute_metrics"):
+        model.fit(x, x, batch_size=1, verbose=0)
+
+
+def test_snr_and_cosine_need_no_batch_size():
+    inputs = keras.Input((1,))
+    dense = keras.layers.Dense(
+        1, use_bias=False, kernel_initializer=keras.initializers.Constant(3.0), name="dense_0"
+    )
+    model = StepWithoutBatch(inputs, dense(inputs))
+    metrics = [kgm.GradientSNR(accumulation_steps=2), kgm.GradientCosine()]
+    model.watched = metrics
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    model.fit(np.array([[1.0], [2.0]], "float32"), np.zeros((2, 1)), batch_size=1, verbose=0)
+    snr, cosine = metrics
+    assert float(snr.result()["grad_snr/dense_0"]) == pytest.approx(5 / (3 * math.sqrt(2)), 1e-6)
+    assert float(cosine.result()["grad_cosine"]) == 1.0
+
+
 def test_state_stays_out_of_the_weights_and_the_saved_file(tmp_path):
     metrics = [
         kgm.GradientNoiseScale(accumulation_steps=2),
