@@ -203,9 +203,9 @@ class _SmallBatches(_DynamicsMetric):
             def make():
                 return {
                     "sum": {p: _local_variable(tf.zeros(s)) for p, s in zip(paths, shapes)},
-                    "squares": _local_variable(tf.zeros((n_groups,))),
-                    "inverse_batch": _local_variable(0.0),
-                    "steps": _local_variable(0.0),
+                    # Over the window so far: per group the sum of |g_i|^2,
+                    # then the sum of 1 / b_i, then the number of steps.
+                    "totals": _local_variable(tf.zeros((n_groups + 2,))),
                 }
 
             state.update(_create(make))
@@ -248,41 +248,35 @@ class _SmallBatches(_DynamicsMetric):
         dense = {p: _float32(grads[p]) for p in paths}
         state = self._window_state(paths, [dense[p].shape for p in paths])
         k = float(self.accumulation_steps)
+        n_groups = len(groups)
         batch = self._step_batch_size() if self._needs_batch_size else tf.constant(1.0)
-        squares = tf.stack([_sum_of_squares([dense[p] for p in ps]) for ps in groups.values()])
-        steps = tf.convert_to_tensor(state["steps"])
-        first = tf.equal(steps, 0.0)
+        this_step = tf.stack(
+            [
+                *(_sum_of_squares([dense[p] for p in ps]) for ps in groups.values()),
+                1.0 / tf.maximum(batch, 1.0),
+                tf.constant(1.0),
+            ]
+        )
+        totals = state["totals"].read_value() + this_step
+        for p in paths:
+            state["sum"][p].assign_add(dense[p])
+        ready = tf.equal(totals[-1], k)
 
-        def restart():
-            for p in paths:
-                state["sum"][p].assign(dense[p])
-            return tf.constant(True)
+        def complete():
+            # |mean g_i|^2 of the window; then the sums start again from 0
+            # (one write every k steps rather than a branch every step).
+            big = []
+            for ps in groups.values():
+                big.append(_sum_of_squares([state["sum"][p].read_value() for p in ps]))
+            big = tf.stack(big) / (k * k)
+            with tf.control_dependencies([big]):
+                for p in paths:
+                    state["sum"][p].assign(tf.zeros_like(dense[p]))
+            return tf.identity(big)
 
-        def add():
-            for p in paths:
-                state["sum"][p].assign_add(dense[p])
-            return tf.constant(True)
-
-        summed = tf.cond(first, restart, add)
-        keep = 1.0 - tf.cast(first, tf.float32)
-        all_squares = state["squares"].read_value() * keep + squares
-        inverse = state["inverse_batch"].read_value() * keep + 1.0 / tf.maximum(batch, 1.0)
-        ready = tf.equal(steps + 1.0, k)
-
-        def big_squares():
-            with tf.control_dependencies([summed]):
-                return tf.stack(
-                    [
-                        _sum_of_squares([tf.convert_to_tensor(state["sum"][p]) for p in ps])
-                        for ps in groups.values()
-                    ]
-                ) / (k * k)
-
-        big = tf.cond(ready, big_squares, lambda: tf.zeros((len(groups),)))
-        state["squares"].assign(all_squares)
-        state["inverse_batch"].assign(inverse)
-        state["steps"].assign(tf.where(ready, 0.0, steps + 1.0))
-        return all_squares / k, big, inverse / k, tf.constant(k), ready
+        big = tf.cond(ready, complete, lambda: tf.zeros((n_groups,)))
+        state["totals"].assign(totals * (1.0 - tf.cast(ready, tf.float32)))
+        return totals[:n_groups] / k, big, totals[n_groups] / k, tf.constant(k), ready
 
     _needs_batch_size = True
 
@@ -587,10 +581,9 @@ class GradientCosine(_PerLayerMixin, _DynamicsMetric):
             def make():
                 return {
                     "gradient": {p: _local_variable(tf.zeros(s)) for p, s in zip(paths, shapes)},
-                    # The previous gradient's squared norm per group, and
-                    # whether there is a previous gradient.
-                    "squares": _local_variable(tf.zeros((n_groups,))),
-                    "primed": _local_variable(False, tf.bool),
+                    # The previous gradient's squared norm per group, then
+                    # 1 if there is a previous gradient.
+                    "squares": _local_variable(tf.zeros((n_groups + 1,))),
                 }
 
             state.update(_create(make))
@@ -609,13 +602,14 @@ class GradientCosine(_PerLayerMixin, _DynamicsMetric):
                 tf.add_n([tf.reduce_sum(g * h) for g, h in zip([dense[p] for p in ps], previous)])
             )
             squares.append(_sum_of_squares([dense[p] for p in ps]))
-        dots, squares = tf.stack(dots), tf.stack(squares)
-        cosine = dots / tf.sqrt(squares * state["squares"].read_value())
-        primed = state["primed"].read_value()
+        dots, squares = tf.stack(dots), tf.stack([*squares, tf.constant(1.0)])
+        previous = state["squares"].read_value()
+        cosine = dots / tf.sqrt(squares[:-1] * previous[:-1])
+        primed = previous[-1] > 0.0
+        # Without XLA the assignment shares the gradient's buffer, as slots do.
         for p in paths:
             state["gradient"][p].assign(dense[p])
         state["squares"].assign(squares)
-        state["primed"].assign(True)
         return {key: cosine[i] for i, key in enumerate(groups)}, primed
 
     def get_config(self):
