@@ -32,7 +32,12 @@ python benchmarks/dynamics_overhead.py           # 40 rounds, ~5 min on 2 cores
 python benchmarks/dynamics_overhead.py --quick   # 10 rounds
 python benchmarks/dynamics_overhead.py --smoke   # 2 rounds of a tiny model, for tests
 python benchmarks/dynamics_overhead.py --threads 1 --cpu-time  # steadiest
+python benchmarks/dynamics_overhead.py --mirrored  # 2 replicas on 2 logical CPUs
 ```
+
+With `--mirrored` the batch of 128 is split over 2 replicas, which are the
+small batches of `GradientNoiseScale` and `GradientSNR` (no accumulation
+buffer); the reference is a `KeepGradModel` under the same strategy.
 
 The results are in `benchmarks/README.md`.
 """
@@ -87,15 +92,16 @@ def build_mlp(sizes):
     return kg.KeepGradModel(inputs, keras.layers.Dense(sizes[-1], name="logits")(h))
 
 
-def make_variant(variant, sizes, batch, weights, jit_compile):
-    model = build_mlp(sizes)
-    model.set_weights(weights)
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-4),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=gradient_metrics(variant),
-        jit_compile=jit_compile,
-    )
+def make_variant(variant, sizes, batch, weights, jit_compile, strategy):
+    with strategy.scope():
+        model = build_mlp(sizes)
+        model.set_weights(weights)
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-4),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=gradient_metrics(variant),
+            jit_compile=jit_compile,
+        )
     dataset = tf.data.Dataset.from_tensors(batch).repeat()
     model.fit(dataset, steps_per_epoch=2, epochs=1, verbose=0, shuffle=False)
     # The iterator type `fit` uses, so `train_function` is not retraced.
@@ -118,7 +124,8 @@ def _summary(values):
     return {"median": float(median), "q25": float(q25), "q75": float(q75)}
 
 
-def measure(mode, jit_compile, clock=time.perf_counter, log=print):
+def measure(mode, jit_compile, clock=time.perf_counter, log=print, strategy=None):
+    strategy = strategy or tf.distribute.get_strategy()
     sizes = mode["sizes"]
     rng = np.random.default_rng(0)
     batch = (
@@ -127,14 +134,15 @@ def measure(mode, jit_compile, clock=time.perf_counter, log=print):
     )
     keras.utils.set_random_seed(0)
     weights = build_mlp(sizes).get_weights()
-    entries = {v: make_variant(v, sizes, batch, weights, jit_compile) for v in VARIANTS}
+    entries = {v: make_variant(v, sizes, batch, weights, jit_compile, strategy) for v in VARIANTS}
     for entry in entries.values():
         run_steps(*entry, 3)  # warm-up, outside the timing
     params = int(sum(np.prod(v.shape) for v in entries["reference"][0].trainable_variables))
     one = min(run_steps(*entries["reference"], 3) / 3 for _ in range(2))
     steps = max(1, int(round(mode["round_seconds"] / one)))
     log(
-        f"{params:,} parameters, jit_compile={jit_compile}: {one * 1e3:.2f} ms/step "
+        f"{params:,} parameters, jit_compile={jit_compile}, "
+        f"{strategy.num_replicas_in_sync} replica(s): {one * 1e3:.2f} ms/step "
         f"(reference), {steps} steps/round, {mode['rounds']} rounds"
     )
     times = {v: [] for v in VARIANTS}
@@ -160,6 +168,7 @@ def measure(mode, jit_compile, clock=time.perf_counter, log=print):
     return {
         "params": params,
         "jit_compile": jit_compile,
+        "replicas": strategy.num_replicas_in_sync,
         "steps_per_round": steps,
         "rounds": mode["rounds"],
         "variants": results,
@@ -188,6 +197,11 @@ def main(argv=None):
     group.add_argument("--smoke", action="store_true", help="2 rounds of a tiny model")
     parser.add_argument("--jit", action="store_true", help="jit_compile=True")
     parser.add_argument(
+        "--mirrored",
+        action="store_true",
+        help="MirroredStrategy on 2 logical CPUs: the replicas are the small batches",
+    )
+    parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="time with the process's CPU time (all threads) instead of the wall clock",
@@ -200,12 +214,19 @@ def main(argv=None):
     )
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args(argv)
+    strategy = None
+    if args.mirrored:
+        # Before TensorFlow runs any op, which fixes its devices.
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
+        )
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     if args.threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     mode_name = "smoke" if args.smoke else "quick" if args.quick else "full"
     clock = time.process_time if args.cpu_time else time.perf_counter
-    result = measure(MODES[mode_name], args.jit, clock=clock)
+    result = measure(MODES[mode_name], args.jit, clock=clock, strategy=strategy)
     result.update(
         mode=mode_name,
         clock="cpu" if args.cpu_time else "wall",

@@ -90,9 +90,7 @@ def _replica_context():
 
 def _replicas_in_process(strategy):
     """Whether a step under `strategy` keeps each replica's partial gradient."""
-    return strategy.num_replicas_in_sync > 1 and len(strategy.extended.worker_devices) >= (
-        strategy.num_replicas_in_sync
-    )
+    return strategy.num_replicas_in_sync > 1 and not _keeper.reduces_in_step(strategy)
 
 
 def _batch_size(y_true, y_pred):
@@ -263,8 +261,7 @@ class _SmallBatches(_DynamicsMetric):
         ready = tf.equal(totals[-1], k)
 
         def complete():
-            # |mean g_i|^2 of the window; then the sums start again from 0
-            # (one write every k steps rather than a branch every step).
+            # |mean g_i|^2 of the window; then its sums restart from 0.
             big = []
             for ps in groups.values():
                 big.append(_sum_of_squares([state["sum"][p].read_value() for p in ps]))

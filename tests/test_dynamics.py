@@ -505,3 +505,41 @@ def test_mirrored_cosine_is_of_the_global_gradients(mirrored):
 @pytest.mark.slow
 def test_mirrored_noise_scale_matches_the_closed_form(mirrored):
     assert_closed_form(mirrored["regression"])
+
+
+# --- the benchmark runs ------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_overhead_benchmark_smoke_writes_every_variant(tmp_path):
+    out = tmp_path / "smoke.json"
+    process = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "benchmarks", "dynamics_overhead.py"),
+            "--smoke",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+    assert process.returncode == 0, process.stderr[-4000:]
+    result = json.loads(out.read_text())
+    # Smoke sizes: 16*32+32 + 32*16+16 + 16*10+10 = 1242 parameters.
+    assert result["params"] == 1242 and result["rounds"] == 2 and result["replicas"] == 1
+    assert list(result["variants"]) == [
+        "reference",
+        "control",
+        "grad_norm",
+        "noise_scale",
+        "snr",
+        "cosine",
+        "cosine_per_layer",
+    ]
+    for variant in result["variants"].values():
+        assert variant["step_ms"] > 0 and math.isfinite(variant["beyond_control"]["median"])
+    assert result["variants"]["reference"]["ratio"]["median"] == 1.0
