@@ -18,6 +18,7 @@ LOSS_SCALE_TAG = "gradients/loss_scale"
 HISTOGRAM_PREFIX = "gradients/histogram/"
 HEATMAP_TAG = "gradients/heatmap"
 LAYOUT_TITLE = "Gradient panels"
+DYNAMICS_TITLE = "Training dynamics"
 
 HEATMAP_DESCRIPTION = (
     "log10 of the L2 gradient norm per layer (rows, forward order from the "
@@ -37,11 +38,13 @@ def histogram_tag(path):
     return HISTOGRAM_PREFIX + path
 
 
-def write_layout(loss_scaled):
+def write_layout(loss_scaled, dynamics_charts=()):
     """Writes the custom-scalars layout ("gradient panels") at step 0.
 
-    Must run under a default summary writer. Returns False (and writes
-    nothing) if the TensorBoard package is missing.
+    `dynamics_charts` (`[(title, [tag regex, ...])]`, from
+    `_dynamics.tensorboard_charts`) go in a second category, "Training
+    dynamics", if any. Must run under a default summary writer. Returns
+    False (and writes nothing) if the TensorBoard package is missing.
     """
     try:
         from tensorboard.plugins.custom_scalar import layout_pb2
@@ -66,7 +69,11 @@ def write_layout(loss_scaled):
     ]
     if loss_scaled:
         charts.append(chart("Loss scale", "^" + re.escape(LOSS_SCALE_TAG) + "$"))
-    layout = layout_pb2.Layout(category=[layout_pb2.Category(title=LAYOUT_TITLE, chart=charts)])
+    categories = [layout_pb2.Category(title=LAYOUT_TITLE, chart=charts)]
+    if dynamics_charts:
+        dynamics = [chart(title, *patterns) for title, patterns in dynamics_charts]
+        categories.append(layout_pb2.Category(title=DYNAMICS_TITLE, chart=dynamics))
+    layout = layout_pb2.Layout(category=categories)
     tf.summary.write(
         tag=metadata.CONFIG_SUMMARY_TAG,
         tensor=tf.constant(layout.SerializeToString()),

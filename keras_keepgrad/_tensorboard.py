@@ -196,7 +196,11 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     def _write_layout(self):
         with self._train_writer.as_default(), tf.summary.record_if(True):
-            if not _tb_panels.write_layout(self._loss_scaled):
+            # Here, not at the top: `_dynamics` imports `metrics`, which imports it.
+            from keras_keepgrad import _dynamics
+
+            charts = _dynamics.tensorboard_charts(self.model)
+            if not _tb_panels.write_layout(self._loss_scaled, charts):
                 warnings.warn(
                     "The `tensorboard` package is not installed: "
                     "GradientTensorBoard writes no custom-scalars layout.",

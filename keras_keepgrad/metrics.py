@@ -31,9 +31,12 @@ from keras_keepgrad import _grad_stats
 from keras_keepgrad import _keeper
 
 __all__ = [
+    "GradientCosine",
     "GradientMaxAbs",
     "GradientMetric",
+    "GradientNoiseScale",
     "GradientNorm",
+    "GradientSNR",
     "NonFiniteGradients",
     "UpdateRatio",
     "VanishingGradients",
@@ -687,3 +690,9 @@ def build_gradient_metrics(model):
     with model.distribute_strategy.scope():
         for metric in metrics:
             metric._build_for(variables)
+
+
+# Defined apart (they build on the classes above), public from here.
+from keras_keepgrad._dynamics import GradientCosine  # noqa: E402
+from keras_keepgrad._dynamics import GradientNoiseScale  # noqa: E402
+from keras_keepgrad._dynamics import GradientSNR  # noqa: E402

@@ -10,9 +10,12 @@ import keras_keepgrad as kg
 SURFACE = {
     kg: ["KeepGradModel", "callbacks", "keep_gradients", "metrics"],
     kg.metrics: [
+        "GradientCosine",
         "GradientMaxAbs",
         "GradientMetric",
+        "GradientNoiseScale",
         "GradientNorm",
+        "GradientSNR",
         "NonFiniteGradients",
         "UpdateRatio",
         "VanishingGradients",
@@ -34,6 +37,14 @@ SIGNATURES = {
         "(threshold=1e-07, name='grad_vanishing', reduction='mean', **kwargs)"
     ),
     kg.metrics.UpdateRatio: "(per_layer=False, name='update_ratio', reduction='mean', **kwargs)",
+    kg.metrics.GradientNoiseScale: (
+        "(accumulation_steps=4, smoothing=0.9, components=False, name='grad_noise_scale', "
+        "reduction='last', **kwargs)"
+    ),
+    kg.metrics.GradientSNR: (
+        "(per_layer=True, accumulation_steps=4, name='grad_snr', reduction='mean', **kwargs)"
+    ),
+    kg.metrics.GradientCosine: "(per_layer=False, name='grad_cosine', reduction='mean', **kwargs)",
     kg.callbacks.GradientTensorBoard: (
         "(log_dir='logs', histogram_freq=0, update_freq='epoch', write_heatmap=True, **kwargs)"
     ),

@@ -1,0 +1,255 @@
+"""What each training-dynamics metric costs per step (target: at most 3%).
+
+The reference is a `kg.KeepGradModel` compiled without gradient metrics:
+a metric's own cost is what `compile(metrics=[...])` adds on top of
+keeping, with the metric computed on every step. Model: the ~1M-parameter
+MLP of `metric_overhead.py` (512 -> 1024 -> 512 -> 10, 1.06M parameters,
+batch 128, Adam, sparse categorical cross-entropy), on one device, where
+`GradientNoiseScale` and `GradientSNR` accumulate the last k = 4 steps'
+gradients in one parameter-sized float32 buffer.
+
+Paired, interleaved rounds in one process, as in `metric_overhead.py`:
+every round times the same number of training steps of each variant, in an
+order rotated by one each round; each variant's time is divided by that
+round's reference time. The table reports the median of these ratios,
+their interquartile range, and the overhead beyond control: the median
+over rounds of `ratio(variant) - ratio(control)`, where `control` is a
+second reference model.
+
+Variants (same initial weights, same batch):
+
+- `reference`, `control`: `KeepGradModel`, no gradient metric.
+- `grad_norm`: `GradientNorm()`, for scale.
+- `noise_scale`: `GradientNoiseScale()`.
+- `snr`: `GradientSNR()` (per layer).
+- `cosine`: `GradientCosine()`.
+- `cosine_per_layer`: `GradientCosine(per_layer=True)`.
+
+Usage:
+
+```shell
+python benchmarks/dynamics_overhead.py           # 40 rounds, ~5 min on 2 cores
+python benchmarks/dynamics_overhead.py --quick   # 10 rounds
+python benchmarks/dynamics_overhead.py --smoke   # 2 rounds of a tiny model, for tests
+python benchmarks/dynamics_overhead.py --threads 1 --cpu-time  # steadiest
+python benchmarks/dynamics_overhead.py --mirrored  # 2 replicas on 2 logical CPUs
+```
+
+With `--mirrored` the batch of 128 is split over 2 replicas, which are the
+small batches of `GradientNoiseScale` and `GradientSNR` (no accumulation
+buffer); the reference is a `KeepGradModel` under the same strategy.
+
+The results are in `benchmarks/README.md`.
+"""
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_keepgrad as kg  # noqa: E402
+from keras_keepgrad import metrics as kgm  # noqa: E402
+
+TARGET = 0.03  # each statistic: at most 3% of a step beyond keeping
+VARIANTS = ("reference", "control", "grad_norm", "noise_scale", "snr", "cosine", "cosine_per_layer")
+MODES = {
+    "full": dict(rounds=40, round_seconds=0.15, sizes=(512, 1024, 512, 10), batch=128),
+    "quick": dict(rounds=10, round_seconds=0.1, sizes=(512, 1024, 512, 10), batch=128),
+    "smoke": dict(rounds=2, round_seconds=0.01, sizes=(16, 32, 16, 10), batch=8),
+}
+
+
+def gradient_metrics(variant):
+    return {
+        "reference": [],
+        "control": [],
+        "grad_norm": [kgm.GradientNorm()],
+        "noise_scale": [kgm.GradientNoiseScale()],
+        "snr": [kgm.GradientSNR()],
+        "cosine": [kgm.GradientCosine()],
+        "cosine_per_layer": [kgm.GradientCosine(per_layer=True)],
+    }[variant]
+
+
+def build_mlp(sizes):
+    inputs = keras.Input((sizes[0],))
+    h = inputs
+    for i, units in enumerate(sizes[1:-1]):
+        h = keras.layers.Dense(units, activation="relu", name=f"dense_{i}")(h)
+    return kg.KeepGradModel(inputs, keras.layers.Dense(sizes[-1], name="logits")(h))
+
+
+def make_variant(variant, sizes, batch, weights, jit_compile, strategy):
+    with strategy.scope():
+        model = build_mlp(sizes)
+        model.set_weights(weights)
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-4),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=gradient_metrics(variant),
+            jit_compile=jit_compile,
+        )
+    dataset = tf.data.Dataset.from_tensors(batch).repeat()
+    model.fit(dataset, steps_per_epoch=2, epochs=1, verbose=0, shuffle=False)
+    # The iterator type `fit` uses, so `train_function` is not retraced.
+    iterator = iter(model.distribute_strategy.experimental_distribute_dataset(dataset))
+    return model, iterator
+
+
+def run_steps(model, iterator, steps, clock=time.perf_counter):
+    """Seconds of `clock` for `steps` training steps."""
+    train_function = model.train_function
+    start = clock()
+    for _ in range(steps):
+        logs = train_function(iterator)
+    float(logs["loss"])  # the step's outputs exist: it has finished
+    return clock() - start
+
+
+def _summary(values):
+    q25, median, q75 = np.percentile(np.asarray(values, dtype="float64"), [25, 50, 75])
+    return {"median": float(median), "q25": float(q25), "q75": float(q75)}
+
+
+def measure(mode, jit_compile, clock=time.perf_counter, log=print, strategy=None):
+    strategy = strategy or tf.distribute.get_strategy()
+    sizes = mode["sizes"]
+    rng = np.random.default_rng(0)
+    batch = (
+        tf.constant(rng.random((mode["batch"], sizes[0]), "float32")),
+        tf.constant(rng.integers(0, sizes[-1], (mode["batch"],)).astype("int32")),
+    )
+    keras.utils.set_random_seed(0)
+    weights = build_mlp(sizes).get_weights()
+    entries = {v: make_variant(v, sizes, batch, weights, jit_compile, strategy) for v in VARIANTS}
+    for entry in entries.values():
+        run_steps(*entry, 3)  # warm-up, outside the timing
+    params = int(sum(np.prod(v.shape) for v in entries["reference"][0].trainable_variables))
+    one = min(run_steps(*entries["reference"], 3) / 3 for _ in range(2))
+    steps = max(1, int(round(mode["round_seconds"] / one)))
+    log(
+        f"{params:,} parameters, jit_compile={jit_compile}, "
+        f"{strategy.num_replicas_in_sync} replica(s): {one * 1e3:.2f} ms/step "
+        f"(reference), {steps} steps/round, {mode['rounds']} rounds"
+    )
+    times = {v: [] for v in VARIANTS}
+    for r in range(mode["rounds"]):
+        rotated = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
+        gc.collect()
+        gc.disable()
+        try:
+            for variant in rotated:
+                times[variant].append(run_steps(*entries[variant], steps, clock) / steps)
+        finally:
+            gc.enable()
+    reference = np.asarray(times["reference"])
+    control = np.asarray(times["control"]) / reference
+    results = {}
+    for variant in VARIANTS:
+        ratio = np.asarray(times[variant]) / reference
+        results[variant] = {
+            "step_ms": float(np.median(times[variant]) * 1e3),
+            "ratio": _summary(ratio),
+            "beyond_control": _summary(ratio - control),
+        }
+    return {
+        "params": params,
+        "jit_compile": jit_compile,
+        "replicas": strategy.num_replicas_in_sync,
+        "steps_per_round": steps,
+        "rounds": mode["rounds"],
+        "variants": results,
+    }
+
+
+def table(result):
+    lines = [
+        "| variant | step ms | ratio vs reference (median) | IQR | beyond control |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for variant, r in result["variants"].items():
+        ratio = r["ratio"]
+        lines.append(
+            f"| {variant} | {r['step_ms']:.2f} | {ratio['median']:.4f} | "
+            f"{ratio['q25']:.4f}-{ratio['q75']:.4f} | "
+            f"{r['beyond_control']['median']:+.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--quick", action="store_true", help="10 rounds")
+    group.add_argument("--smoke", action="store_true", help="2 rounds of a tiny model")
+    parser.add_argument("--jit", action="store_true", help="jit_compile=True")
+    parser.add_argument(
+        "--mirrored",
+        action="store_true",
+        help="MirroredStrategy on 2 logical CPUs: the replicas are the small batches",
+    )
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with the process's CPU time (all threads) instead of the wall clock",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="TensorFlow intra- and inter-op threads (0: TensorFlow's default)",
+    )
+    parser.add_argument("--out", help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    strategy = None
+    if args.mirrored:
+        # Before TensorFlow runs any op, which fixes its devices.
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
+        )
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    mode_name = "smoke" if args.smoke else "quick" if args.quick else "full"
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    result = measure(MODES[mode_name], args.jit, clock=clock, strategy=strategy)
+    result.update(
+        mode=mode_name,
+        clock="cpu" if args.cpu_time else "wall",
+        threads=args.threads or "default",
+        versions={
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+            "python": platform.python_version(),
+        },
+        cpus=os.cpu_count(),
+    )
+    print(table(result))
+    print()
+    for variant in VARIANTS[3:]:
+        cost = result["variants"][variant]["beyond_control"]["median"]
+        verdict = "within" if cost <= TARGET else "OVER"
+        print(
+            f"{variant}: {cost:+.2%} step time beyond control, {verdict} the {TARGET:.0%} budget."
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,642 @@
+"""Training-dynamics metrics: gradient noise scale, gradient SNR, step cosine.
+
+Each compares gradients of several batches at once, which a single kept
+gradient cannot give: where a `tf.distribute` strategy trains several
+replicas in this process, every replica's partial gradient is one small
+batch and the global gradient their mean; on one device (and across worker
+processes, where the step all-reduces before anything is kept) the last
+`accumulation_steps` steps' gradients are the small batches, summed in one
+float32 buffer per trainable variable.
+
+The small-batch gradients and their batch sizes, in Keras's terms. Keras
+scales each replica's loss by `1 / R` (R replicas), so that the replicas'
+gradients sum to the global-batch mean gradient: replica r's partial
+gradient `p_r` is `g_r / R`, where `g_r` is the mean gradient of its own
+`b_r` examples, and the global gradient is `G_big = sum_r p_r = mean_r g_r`.
+On one device the step's gradient `g_i` is the mean over its `b_i` examples
+and `G_big = mean_i g_i` over the window of k steps. Either way, with n
+small batches, their mean squared norm `S = mean_i |g_i|^2` and
+`Q = |G_big|^2`, if the small batches are independent draws at the same
+weights, `E[S] = |G|^2 + tr(Sigma) / B_small` and
+`E[Q] = |G|^2 + tr(Sigma) / B_big`, with `B_small = 1 / mean_i(1 / b_i)` and
+`B_big = n * B_small` (equal batches: `B_small = b`, `B_big = n b`).
+"""
+
+import math
+import numbers
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from keras_keepgrad import _capture
+from keras_keepgrad import _checks
+from keras_keepgrad import _keeper
+from keras_keepgrad.metrics import GradientMetric
+from keras_keepgrad.metrics import _float32
+from keras_keepgrad.metrics import _group_by_layer
+from keras_keepgrad.metrics import _Holder
+from keras_keepgrad.metrics import _PerLayerMixin
+from keras_keepgrad.metrics import _sum_of_squares
+
+__all__ = [
+    "GradientCosine",
+    "GradientNoiseScale",
+    "GradientSNR",
+    "tensorboard_charts",
+]
+
+
+def _local_variable(value, dtype=tf.float32):
+    # One copy per replica, updated by that replica alone: every replica
+    # computes the same values (from all-reduced statistics), so no copy
+    # needs the others'. Out of Keras's tracking: see `_Holder`.
+    return tf.Variable(
+        tf.cast(value, dtype),
+        trainable=False,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+    )
+
+
+def _create(fn):
+    """Runs `fn` (which makes variables) outside the function being traced.
+
+    In a replica's step of a `tf.distribute` strategy, variables are made
+    once for all replicas, in its cross-replica context.
+    """
+
+    def create(strategy=None):
+        with tf.init_scope():
+            if strategy is None:
+                return fn()
+            with strategy.scope():
+                return fn()
+
+    context = tf.distribute.get_replica_context()
+    if tf.distribute.has_strategy() and context is not None:
+        return context.merge_call(create)
+    return create()
+
+
+def _replica_context():
+    """The replica context if this step's kept gradients are partial ones."""
+    step = _capture.current_step()
+    context = tf.distribute.get_replica_context()
+    if step is None or step.reduced or context is None or context.num_replicas_in_sync < 2:
+        return None
+    return context
+
+
+def _replicas_in_process(strategy):
+    """Whether a step under `strategy` keeps each replica's partial gradient."""
+    return strategy.num_replicas_in_sync > 1 and not _keeper.reduces_in_step(strategy)
+
+
+def _batch_size(y_true, y_pred):
+    """The number of examples in this replica's batch, as float32."""
+    for structure in (y_pred, y_true):
+        for t in tf.nest.flatten(structure):
+            if t is not None and getattr(t, "shape", None) is not None and len(t.shape) > 0:
+                return tf.cast(tf.shape(t)[0], tf.float32)
+    return None
+
+
+def _check_steps(name, value):
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 2:
+        return int(value)
+    raise ValueError(
+        f"`{name}` must be an int of at least 2 (the steps whose gradients "
+        f"are compared). Received: {name}={value!r}"
+    )
+
+
+class _DynamicsMetric(GradientMetric):
+    """Reports NaN for an epoch in which no step gave a value.
+
+    A step that gives none (`counted` False) adds 0, not its placeholder
+    value (NaN where nothing is known yet), to the sums of `"mean"`.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(fn=None, **kwargs)
+        self._counted = self.add_variable(
+            shape=(), initializer="zeros", aggregation="mean", name="counted"
+        )
+        self._holder = _Holder()
+
+    def _measure(self, grads):
+        values, counted = self._counted_values(grads)
+        return {k: tf.where(counted, v, 0.0) for k, v in values.items()}, counted
+
+    def result(self):
+        results = super().result()
+        if not results:
+            return results
+        none = tf.equal(tf.convert_to_tensor(self._counted), 0.0)
+        return {k: tf.where(none, tf.constant(math.nan), v) for k, v in results.items()}
+
+
+class _SmallBatches(_DynamicsMetric):
+    """Per group of variables, the statistics of the step's small batches.
+
+    `_moments` gives, per group (one for all variables, or one per layer),
+    `S` (the mean over the n small batches of their gradients' squared
+    norm) and `Q` (the squared norm of their mean), with `mean(1 / b_i)`,
+    n, and whether a window is complete (always, across replicas).
+    """
+
+    def __init__(self, accumulation_steps, **kwargs):
+        self.accumulation_steps = _check_steps("accumulation_steps", accumulation_steps)
+        self._y = (None, None)
+        super().__init__(**kwargs)
+
+    def _groups(self, paths):
+        """`{log key: [path, ...]}`."""
+        if getattr(self, "per_layer", False):
+            groups = _group_by_layer({p: p for p in paths})
+            return {f"{self.name}/{layer}": ps for layer, ps in groups.items()}
+        return {self.name: list(paths)}
+
+    def update_state(self, y_true=None, y_pred=None, sample_weight=None):
+        """Adds this training step's value; does nothing in evaluation.
+
+        `y_true` and `y_pred` give the batch size (their first axis);
+        `sample_weight` is ignored.
+        """
+        self._y = (y_true, y_pred)
+        try:
+            super().update_state(y_true, y_pred, sample_weight)
+        finally:
+            self._y = (None, None)
+
+    def _step_batch_size(self):
+        batch = _batch_size(*self._y)
+        if batch is None:
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r} takes the batch size from "
+                "the first axis of `y_pred` (or `y_true`). Received: "
+                f"y_true={self._y[0]!r}, y_pred={self._y[1]!r}. In your own "
+                "`train_step`, call `self.compute_metrics(x, y, y_pred)` or "
+                "`metric.update_state(y, y_pred)`."
+            )
+        return batch
+
+    # State --------------------------------------------------------------
+
+    def _build_for(self, variables):
+        super()._build_for(variables)
+        strategy = tf.distribute.get_strategy()
+        if not _replicas_in_process(strategy):
+            self._window_state([v.path for v in variables], [v.shape for v in variables])
+
+    def _window_state(self, paths, shapes):
+        """The accumulation window's variables, made for these paths."""
+        state = self._holder.variables
+        paths = tuple(paths)
+        shapes = tuple(tuple(s) for s in shapes)
+        if state.get("paths") != dict(zip(paths, shapes)):
+            n_groups = len(self._groups(paths))
+
+            def make():
+                return {
+                    "sum": {p: _local_variable(tf.zeros(s)) for p, s in zip(paths, shapes)},
+                    # Over the window so far: per group the sum of |g_i|^2,
+                    # then the sum of 1 / b_i, then the number of steps.
+                    "totals": _local_variable(tf.zeros((n_groups + 2,))),
+                }
+
+            state.update(_create(make))
+            state["paths"] = dict(zip(paths, shapes))
+        return state
+
+    # One step -----------------------------------------------------------
+
+    def _moments(self, grads):
+        """`(S, Q, mean_inverse_batch, n, ready)`; S and Q are `[groups]`."""
+        groups = self._groups(grads)
+        context = _replica_context()
+        if context is not None:
+            return self._across_replicas(context, groups)
+        return self._over_window(grads, groups)
+
+    def _across_replicas(self, context, groups):
+        replicas = float(context.num_replicas_in_sync)
+        partial = _capture.current_step().grads
+        # |g_r|^2 = |R p_r|^2; the global gradient is the all-reduced one.
+        local = [
+            replicas**2 * _sum_of_squares([_float32(partial[p]) for p in paths])
+            for paths in groups.values()
+        ]
+        batch = self._step_batch_size() if self._needs_batch_size else tf.constant(1.0)
+        vector = tf.stack([*local, 1.0 / tf.maximum(batch, 1.0), tf.cast(batch < 1.0, tf.float32)])
+        summed = context.all_reduce(tf.distribute.ReduceOp.SUM, vector)
+        n_groups = len(groups)
+        grads = _keeper.current_step_gradients()
+        big = tf.stack(
+            [_sum_of_squares([_float32(grads[p]) for p in paths]) for paths in groups.values()]
+        )
+        small = summed[:n_groups] / replicas
+        inverse = summed[n_groups] / replicas
+        ready = tf.equal(summed[n_groups + 1], 0.0)
+        return small, big, inverse, tf.constant(replicas), ready
+
+    def _over_window(self, grads, groups):
+        paths = list(grads)
+        dense = {p: _float32(grads[p]) for p in paths}
+        state = self._window_state(paths, [dense[p].shape for p in paths])
+        k = float(self.accumulation_steps)
+        n_groups = len(groups)
+        batch = self._step_batch_size() if self._needs_batch_size else tf.constant(1.0)
+        this_step = tf.stack(
+            [
+                *(_sum_of_squares([dense[p] for p in ps]) for ps in groups.values()),
+                1.0 / tf.maximum(batch, 1.0),
+                tf.constant(1.0),
+            ]
+        )
+        totals = state["totals"].read_value() + this_step
+        for p in paths:
+            state["sum"][p].assign_add(dense[p])
+        ready = tf.equal(totals[-1], k)
+
+        def complete():
+            # |mean g_i|^2 of the window; then its sums restart from 0.
+            big = []
+            for ps in groups.values():
+                big.append(_sum_of_squares([state["sum"][p].read_value() for p in ps]))
+            big = tf.stack(big) / (k * k)
+            with tf.control_dependencies([big]):
+                for p in paths:
+                    state["sum"][p].assign(tf.zeros_like(dense[p]))
+            return tf.identity(big)
+
+        big = tf.cond(ready, complete, lambda: tf.zeros((n_groups,)))
+        state["totals"].assign(totals * (1.0 - tf.cast(ready, tf.float32)))
+        return totals[:n_groups] / k, big, totals[n_groups] / k, tf.constant(k), ready
+
+    _needs_batch_size = True
+
+    def get_config(self):
+        config = super().get_config()
+        config["accumulation_steps"] = self.accumulation_steps
+        return config
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad")
+class GradientNoiseScale(_SmallBatches):
+    """The simple gradient noise scale `B_simple = tr(Sigma) / |G|^2`.
+
+    Logged as `grad_noise_scale`. `G` is the true (expected) gradient and
+    `Sigma` the covariance of the per-example gradients, at the current
+    weights. McCandlish et al. (2018), "An Empirical Model of Large-Batch
+    Training", show that `B_simple` predicts the critical batch size:
+    batches much smaller than it are dominated by noise (doubling the batch
+    nearly halves the steps needed), batches much larger waste examples
+    (doubling the batch barely saves steps).
+
+    The estimate uses no per-example gradients. From two batch sizes
+    `B_small < B_big`, whose gradients' squared norms are `S` and `Q`, it
+    takes the unbiased estimators of the paper's Appendix A.1:
+
+        |G|^2     ~ (B_big Q - B_small S) / (B_big - B_small)
+        tr(Sigma) ~ (S - Q) / (1 / B_small - 1 / B_big)
+
+    Each is smoothed by an exponential moving average over the estimates
+    (with weight `smoothing` on the past, debiased as in Adam) before their
+    ratio is taken: a single step's estimate of `|G|^2` is noisy and can be
+    negative.
+
+    Where the small and big batches come from:
+
+    - Under a `tf.distribute` strategy whose replicas all run in this
+      process (`MirroredStrategy`): each replica's batch is a small batch
+      and the global batch the big one, at no extra backward pass. Keras
+      scales a replica's loss by `1 / R`, so a replica's gradient of its own
+      batch is R times its partial gradient; `S` is their mean squared norm
+      over the replicas, `Q` the squared norm of the global gradient,
+      `B_small` the per-replica batch and `B_big = R B_small`. Needs 2 or
+      more replicas; one scalar per replica is all-reduced per step.
+    - Otherwise (one device, or worker processes): the big batch is the mean
+      of `accumulation_steps` = k consecutive steps' gradients, each step a
+      small batch (`B_big = k B_small`), summed in one float32 buffer the
+      size of the trainable variables. An estimate comes every k steps. The
+      weights move during the k steps, which biases the estimate upward:
+      with `V` the spread of the true gradient over the window (the mean of
+      `|G_i - mean(G_i)|^2` over its steps), `|G|^2` comes out `V / (k - 1)`
+      too small and `tr(Sigma)` `V k B_small / (k - 1)` too large. It
+      vanishes with the learning rate and is small while the gradient
+      changes little over k steps; a smaller k lowers it, at more noise.
+
+    The batch size is read from the first axis of `y_pred`; a smaller last
+    batch is accounted for (the sizes combine as `1 / mean(1 / b)`). The
+    loss must be a mean over the batch (Keras's default reduction,
+    `"sum_over_batch_size"`).
+
+    The estimate persists across epochs (it is not reset at an epoch's
+    start): the logged value is the current smoothed estimate, NaN in an
+    epoch before the first estimate is complete.
+
+    Args:
+        accumulation_steps: Int, at least 2. Steps whose gradients form the
+            big batch where replicas cannot. Defaults to `4`.
+        smoothing: Float in [0, 1). The moving average's weight on the
+            previous estimates; 0 uses each estimate alone. Defaults to
+            `0.9`.
+        components: Bool. Also log the smoothed `tr(Sigma)` as
+            `grad_noise_scale/trace_cov` and `|G|^2` as
+            `grad_noise_scale/grad_sq` (with `name` in place of
+            `grad_noise_scale`). Defaults to `False`.
+        name: String. Log key. Defaults to `"grad_noise_scale"`.
+        reduction: String. `"last"`, `"mean"`, `"sum"` or `"max"`, as for
+            `GradientMetric`, of the current estimate over the epoch's
+            steps that have one (from the first complete estimate on).
+            Defaults to `"last"`.
+        **kwargs: Passed on to `GradientMetric`.
+
+    Raises:
+        ValueError: `accumulation_steps` is not an int of at least 2, or
+            `smoothing` is not in [0, 1).
+
+    Examples:
+        ```python
+        model.compile(optimizer="sgd", loss="mse",
+                      metrics=[kg.metrics.GradientNoiseScale()])
+        history = model.fit(x, y, batch_size=32, epochs=5)
+        history.history["grad_noise_scale"]  # B_simple, in examples
+        ```
+    """
+
+    _default_name = "grad_noise_scale"
+
+    def __init__(
+        self,
+        accumulation_steps: int = 4,
+        smoothing: float = 0.9,
+        components: bool = False,
+        name: str = "grad_noise_scale",
+        reduction: str = "last",
+        **kwargs: Any,
+    ) -> None:
+        if (
+            isinstance(smoothing, bool)
+            or not isinstance(smoothing, numbers.Real)
+            or not 0.0 <= smoothing < 1.0
+        ):
+            raise ValueError(
+                "`smoothing` must be a number in [0, 1) (the moving average's "
+                f"weight on the past). Received: smoothing={smoothing!r}"
+            )
+        self.smoothing = float(smoothing)
+        self.components = _checks.check_bool("components", components)
+        super().__init__(
+            accumulation_steps=accumulation_steps, name=name, reduction=reduction, **kwargs
+        )
+
+    def _keys_for(self, paths):
+        if self.components:
+            return (self.name, f"{self.name}/trace_cov", f"{self.name}/grad_sq")
+        return (self.name,)
+
+    def _averages(self):
+        state = self._holder.variables
+        if "average" not in state:
+
+            def make():
+                # Moving averages of |G|^2 and tr(Sigma), and 1 - smoothing^m
+                # after m estimates (the debiasing factor).
+                return {"average": _local_variable(tf.zeros((3,)))}
+
+            state.update(_create(make))
+        return state["average"]
+
+    def _build_for(self, variables):
+        super()._build_for(variables)
+        self._averages()
+
+    def _counted_values(self, grads):
+        small, big, inverse, n, ready = self._moments(grads)
+        small, big = small[0], big[0]
+        # |G|^2 ~ (B_big Q - B_small S) / (B_big - B_small) and
+        # tr(Sigma) ~ (S - Q) / (1/B_small - 1/B_big), with
+        # B_small = 1 / inverse and B_big = n / inverse.
+        grad_sq = (n * big - small) / (n - 1.0)
+        trace = n * (small - big) / ((n - 1.0) * inverse)
+        average = self._averages()
+        beta = self.smoothing
+        previous = average.read_value()
+        new = beta * previous + (1.0 - beta) * tf.stack([grad_sq, trace, 1.0])
+        new = tf.where(ready, new, previous)
+        average.assign(new)
+        grad_sq, trace = new[0] / new[2], new[1] / new[2]
+        values = {self.name: trace / grad_sq}
+        if self.components:
+            values[f"{self.name}/trace_cov"] = trace
+            values[f"{self.name}/grad_sq"] = grad_sq
+        return values, new[2] > 0.0
+
+    def get_config(self):
+        config = super().get_config()
+        config["smoothing"] = self.smoothing
+        config["components"] = self.components
+        return config
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad")
+class GradientSNR(_PerLayerMixin, _SmallBatches):
+    """The gradient's signal-to-noise ratio, per layer: `grad_snr/<layer>`.
+
+    Over n small-batch gradients `g_1 ... g_n` of a layer's variables (its
+    kernel and bias as one vector), the mean `m = mean_i g_i` is the signal
+    and the entries' sample standard deviations across the small batches
+    the noise, pooled over the layer's entries:
+
+        SNR = |m| / sqrt(sum_j var_j),
+        var_j = sum_i (g_ij - m_j)^2 / (n - 1)
+
+    so the SNR is the norm of the mean gradient over the norm of its
+    standard deviations. Above 1 the batch gradient's direction is mostly
+    signal; well below 1 it is mostly noise, and a larger batch (or a
+    smaller learning rate) helps that layer. As `E[sum_j var_j] =
+    tr(Sigma) / b` for small batches of b examples, `SNR^2` is about
+    `b / B_simple` restricted to the layer (`GradientNoiseScale`). Pooled
+    rather than averaged per entry: an entry that no example reaches has
+    zero variance, and one ratio per entry would be undefined there.
+
+    The small batches are the replicas' batches under a `tf.distribute`
+    strategy with 2 or more replicas in this process (each replica's
+    gradient is R times its partial one, and `m` is the global gradient),
+    otherwise the last `accumulation_steps` steps, used as micro-batches
+    (one value every k steps; the weights move between them, which adds
+    their drift to the noise). It is `inf` where the small batches agree
+    exactly, NaN for a layer with zero gradients. Needs no batch size.
+
+    Args:
+        per_layer: Bool. One value per layer (`grad_snr/<layer>`) or one
+            over all trainable variables (`grad_snr`). Defaults to `True`.
+        accumulation_steps: Int, at least 2. Steps used as micro-batches
+            where replicas cannot. Defaults to `4`.
+        name: String. Log key (prefix with `per_layer=True`). Defaults to
+            `"grad_snr"`.
+        reduction: String. `"mean"`, `"last"`, `"sum"` or `"max"`, as for
+            `GradientMetric`, over the steps with a value. Defaults to
+            `"mean"`.
+        **kwargs: Passed on to `GradientMetric`.
+
+    Raises:
+        ValueError: `accumulation_steps` is not an int of at least 2.
+    """
+
+    _default_name = "grad_snr"
+    _needs_batch_size = False
+
+    def __init__(
+        self,
+        per_layer: bool = True,
+        accumulation_steps: int = 4,
+        name: str = "grad_snr",
+        reduction: str = "mean",
+        **kwargs: Any,
+    ) -> None:
+        self.per_layer = _checks.check_bool("per_layer", per_layer)
+        super().__init__(
+            accumulation_steps=accumulation_steps, name=name, reduction=reduction, **kwargs
+        )
+
+    def _counted_values(self, grads):
+        small, big, _, n, ready = self._moments(grads)
+        # sum_i |g_i - m|^2 = n S - n Q.
+        variance = n * (small - big) / (n - 1.0)
+        snr = tf.sqrt(big) / tf.sqrt(tf.maximum(variance, 0.0))
+        keys = list(self._groups(grads))
+        return {key: snr[i] for i, key in enumerate(keys)}, ready
+
+    def get_config(self):
+        config = super().get_config()
+        config["per_layer"] = self.per_layer
+        return config
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad")
+class GradientCosine(_PerLayerMixin, _DynamicsMetric):
+    """The cosine between successive steps' gradients, as `grad_cosine`.
+
+    `cos = <g_t, g_{t-1}> / (|g_t| |g_{t-1}|)` over all trainable variables,
+    or, with `per_layer=True`, one per layer (`grad_cosine/<layer>`), of
+    the global-batch gradients kept in two successive training steps. Near
+    1: the steps keep one direction (a larger learning rate may be
+    afforded). Near -1: each step undoes the last, the iterate oscillates
+    across a valley: lower the learning rate. Near 0: successive batches
+    disagree, the gradient is noise-dominated (see `GradientNoiseScale`).
+
+    The metric keeps a float32 copy of the previous step's gradient (one
+    buffer the size of the trainable variables, not saved with the model)
+    and persists it across epochs, so an epoch's first step is compared
+    with the previous epoch's last. The first training step has nothing to
+    compare with and is not counted (an epoch of that step alone logs NaN).
+    The cosine is NaN where either gradient is all zeros.
+
+    Args:
+        per_layer: Bool. One value per layer instead of one global value.
+            Defaults to `False`.
+        name: String. Log key (prefix with `per_layer=True`). Defaults to
+            `"grad_cosine"`.
+        reduction: String. `"mean"`, `"last"`, `"sum"` or `"max"`, as for
+            `GradientMetric`. Defaults to `"mean"`.
+        **kwargs: Passed on to `GradientMetric`.
+    """
+
+    _default_name = "grad_cosine"
+
+    def __init__(
+        self,
+        per_layer: bool = False,
+        name: str = "grad_cosine",
+        reduction: str = "mean",
+        **kwargs: Any,
+    ) -> None:
+        self.per_layer = _checks.check_bool("per_layer", per_layer)
+        super().__init__(name=name, reduction=reduction, **kwargs)
+
+    def _build_for(self, variables):
+        super()._build_for(variables)
+        self._previous([v.path for v in variables], [v.shape for v in variables])
+
+    def _groups(self, paths):
+        if self.per_layer:
+            groups = _group_by_layer({p: p for p in paths})
+            return {f"{self.name}/{layer}": ps for layer, ps in groups.items()}
+        return {self.name: list(paths)}
+
+    def _previous(self, paths, shapes):
+        state = self._holder.variables
+        paths = tuple(paths)
+        shapes = tuple(tuple(s) for s in shapes)
+        if state.get("paths") != dict(zip(paths, shapes)):
+            n_groups = len(self._groups(paths))
+
+            def make():
+                return {
+                    "gradient": {p: _local_variable(tf.zeros(s)) for p, s in zip(paths, shapes)},
+                    # The previous gradient's squared norm per group, then
+                    # 1 if there is a previous gradient.
+                    "squares": _local_variable(tf.zeros((n_groups + 1,))),
+                }
+
+            state.update(_create(make))
+            state["paths"] = dict(zip(paths, shapes))
+        return state
+
+    def _counted_values(self, grads):
+        paths = list(grads)
+        dense = {p: _float32(grads[p]) for p in paths}
+        state = self._previous(paths, [dense[p].shape for p in paths])
+        groups = self._groups(paths)
+        dots, squares = [], []
+        for ps in groups.values():
+            previous = [tf.convert_to_tensor(state["gradient"][p]) for p in ps]
+            dots.append(
+                tf.add_n([tf.reduce_sum(g * h) for g, h in zip([dense[p] for p in ps], previous)])
+            )
+            squares.append(_sum_of_squares([dense[p] for p in ps]))
+        dots, squares = tf.stack(dots), tf.stack([*squares, tf.constant(1.0)])
+        previous = state["squares"].read_value()
+        cosine = dots / tf.sqrt(squares[:-1] * previous[:-1])
+        primed = previous[-1] > 0.0
+        # Without XLA the assignment shares the gradient's buffer, as slots do.
+        for p in paths:
+            state["gradient"][p].assign(dense[p])
+        state["squares"].assign(squares)
+        return {key: cosine[i] for i, key in enumerate(groups)}, primed
+
+    def get_config(self):
+        config = super().get_config()
+        config["per_layer"] = self.per_layer
+        return config
+
+
+def tensorboard_charts(model):
+    """`[(title, [tag regex, ...])]`: custom-scalars charts of the dynamics
+    metrics compiled into `model`, for the logs Keras's TensorBoard writes
+    (`epoch_<key>`, and `batch_<key>` with a batch `update_freq`)."""
+    import re
+
+    from keras_keepgrad import metrics
+
+    charts = []
+    for metric in metrics._gradient_metrics(model):
+        name = re.escape(metric.name)
+        if isinstance(metric, GradientNoiseScale):
+            charts.append(("Gradient noise scale (B_simple)", [f"^(epoch|batch)_{name}$"]))
+            if metric.components:
+                charts.append(
+                    (
+                        "Gradient noise scale: tr(Sigma) and |G|^2",
+                        [f"^(epoch|batch)_{name}/(trace_cov|grad_sq)$"],
+                    )
+                )
+        elif isinstance(metric, GradientSNR):
+            charts.append(("Gradient signal-to-noise ratio", [f"^(epoch|batch)_{name}(/.*)?$"]))
+        elif isinstance(metric, GradientCosine):
+            charts.append(("Cosine of successive gradients", [f"^(epoch|batch)_{name}(/.*)?$"]))
+    return charts
