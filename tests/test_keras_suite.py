@@ -111,8 +111,11 @@ def test_kept_trainer_mixin_trains_through_keepgradmodel():
     class ExampleModel(kept.layers.Dense, kept.Trainer):
         def __init__(self):
             kept.layers.Dense.__init__(
-                self, 1, use_bias=False,
-                kernel_initializer=keras.initializers.Constant(3.0), name="dense_0",
+                self,
+                1,
+                use_bias=False,
+                kernel_initializer=keras.initializers.Constant(3.0),
+                name="dense_0",
             )
             kept.Trainer.__init__(self)
 

@@ -117,9 +117,7 @@ def _replacements():
     modules = {
         keras: _View(keras, {**models_overrides, "models": public_models}),
         keras.models: public_models,
-        src_models: _View(
-            src_models, {**models_overrides, "Functional": functional}
-        ),
+        src_models: _View(src_models, {**models_overrides, "Functional": functional}),
     }
     return {id(old): new for old, new in {**classes, **modules}.items()}
 

@@ -32,9 +32,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 # Found without importing Keras (and TensorFlow) into the driver.
-KERAS_SRC = os.path.join(
-    os.path.dirname(importlib.util.find_spec("keras").origin), "src"
-)
+KERAS_SRC = os.path.join(os.path.dirname(importlib.util.find_spec("keras").origin), "src")
 
 FILES = (
     "models/*_test.py",
@@ -68,11 +66,19 @@ _SUBSTITUTE = (
 # Textual edits of a kept file: (old, new, how many times, why).
 KEPT_EDITS = {
     "trainers/trainer_test.py": [
-        ("self.layers", "self.dense_layers", 3,
-         "test_loss_scaling_prevents_underflow's DeepModel, a Layer with the "
-         "Trainer mixed in, sets `self.layers`, which `keras.Model` reserves"),
-        ("first_kernel = model.layers[0].kernel",
-         "first_kernel = model.dense_layers[0].kernel", 2, "the same"),
+        (
+            "self.layers",
+            "self.dense_layers",
+            3,
+            "test_loss_scaling_prevents_underflow's DeepModel, a Layer with the "
+            "Trainer mixed in, sets `self.layers`, which `keras.Model` reserves",
+        ),
+        (
+            "first_kernel = model.layers[0].kernel",
+            "first_kernel = model.dense_layers[0].kernel",
+            2,
+            "the same",
+        ),
     ],
 }
 
@@ -85,9 +91,7 @@ _JAX_GUARDED = (
 )
 # `class M(Trainer, layers.Dense)`; `layers.Layer` itself can stay second
 # (a `KeepGradModel` is one already).
-_MIXIN = re.compile(
-    r"^(\s*)class (\w+)\(Trainer, (?!layers\.Layer\))([\w.]+)\):", re.MULTILINE
-)
+_MIXIN = re.compile(r"^(\s*)class (\w+)\(Trainer, (?!layers\.Layer\))([\w.]+)\):", re.MULTILINE)
 
 
 def selected_files(patterns):
@@ -118,11 +122,7 @@ def _insert_substitution(source, rel):
         raise RuntimeError(f"{rel}: no top-level def or class")
     lines = source.splitlines(keepends=True)
     keep = sorted(KEEP_KERAS_NAMES.get(rel, {}))
-    return (
-        "".join(lines[: line - 1])
-        + _SUBSTITUTE.format(keep=keep)
-        + "".join(lines[line - 1 :])
-    )
+    return "".join(lines[: line - 1]) + _SUBSTITUTE.format(keep=keep) + "".join(lines[line - 1 :])
 
 
 def transform(source, rel, variant):
@@ -177,17 +177,28 @@ def run_tree(root, files, pytest_args, timeout):
         KERAS_BACKEND="tensorflow",
         TF_CPP_MIN_LOG_LEVEL="3",
         KERAS_SUITE_OUTCOMES=outcomes_path,
-        PYTHONPATH=os.pathsep.join([root, REPO, env.get("PYTHONPATH", "")]).rstrip(
-            os.pathsep
-        ),
+        PYTHONPATH=os.pathsep.join([root, REPO, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     )
-    command = [sys.executable, "-m", "pytest", "-q", "-rN", "--continue-on-collection-errors",
-               *pytest_args, *files]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-rN",
+        "--continue-on-collection-errors",
+        *pytest_args,
+        *files,
+    ]
     start = time.monotonic()
     with open(log_path, "w") as log:
         subprocess.run(
-            command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
-            timeout=timeout, check=False,
+            command,
+            cwd=root,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+            check=False,
         )
     seconds = time.monotonic() - start
     if not os.path.exists(outcomes_path):
@@ -229,21 +240,31 @@ def differences(plain, kept):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--files", nargs="*", default=[],
-                        help="globs of test files relative to keras/src")
+    parser.add_argument(
+        "--files", nargs="*", default=[], help="globs of test files relative to keras/src"
+    )
     parser.add_argument("-k", default=None, help="passed on to pytest")
-    parser.add_argument("--jobs", type=int, default=2,
-                        help="run the two trees at once (2) or one after the other (1)")
-    parser.add_argument("--baseline", default=None,
-                        help="read the plain outcomes from this JSON instead of running them")
-    parser.add_argument("--save-baseline", default=None,
-                        help="write the plain outcomes to this JSON")
-    parser.add_argument("--report", default=None,
-                        help="write every difference, as JSON, to this file")
-    parser.add_argument("--keep-dir", action="store_true",
-                        help="keep the copied trees and logs")
-    parser.add_argument("--timeout", type=float, default=25 * 60,
-                        help="seconds for each tree's pytest")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=2,
+        help="run the two trees at once (2) or one after the other (1)",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="read the plain outcomes from this JSON instead of running them",
+    )
+    parser.add_argument(
+        "--save-baseline", default=None, help="write the plain outcomes to this JSON"
+    )
+    parser.add_argument(
+        "--report", default=None, help="write every difference, as JSON, to this file"
+    )
+    parser.add_argument("--keep-dir", action="store_true", help="keep the copied trees and logs")
+    parser.add_argument(
+        "--timeout", type=float, default=25 * 60, help="seconds for each tree's pytest"
+    )
     args = parser.parse_args(argv)
 
     files = selected_files(args.files)
@@ -296,7 +317,9 @@ def main(argv=None):
                     "unexplained": {k: list(v) for k, v in unexplained.items()},
                     "known": {k: list(v) for k, v in explained.items()},
                 },
-                f, indent=1, sort_keys=True,
+                f,
+                indent=1,
+                sort_keys=True,
             )
     failing = sorted(k for k, v in plain.items() if v["outcome"] in ("failed", "error"))
     print(f"\n{len(failing)} tests fail on plain Keras here (not compared):")

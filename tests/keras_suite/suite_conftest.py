@@ -22,9 +22,7 @@ def skip_if_backend(given_backend, reason):
 
 
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "requires_trainable_backend: needs a backend that can train"
-    )
+    config.addinivalue_line("markers", "requires_trainable_backend: needs a backend that can train")
     config.addinivalue_line("markers", "multi_device: needs several devices")
 
 
