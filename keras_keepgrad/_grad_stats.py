@@ -14,8 +14,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_keepgrad import _stats
+
 __all__ = [
     "GradientNorms",
+    "LatestNorms",
     "StepCounter",
     "check_frequency",
     "check_non_negative_int",
@@ -40,31 +43,18 @@ def layer_of(path):
     return head if sep else path
 
 
-def _squares(grad, dtype):
-    # `l2_loss` (sum of squares / 2) is one fused kernel, no squared copy.
-    return 2.0 * tf.nn.l2_loss(tf.cast(grad, dtype))
-
-
 @tf.function(autograph=False)
 def _sum_squares(grads):
     """float64 `[len(grads)]`: each gradient's sum of squares.
 
-    One dispatch for all variables (per-variable eager ops would cost more
-    than the reductions), module-level so that every callback on the same
-    model reuses one trace; `GradientNorms` calls its concrete function,
-    which skips the argument matching of each `tf.function` call. Summed in float32 (float64 gradients in float64);
-    only if that overflows or meets a NaN or inf, everything is summed again
-    in float64, where a sum is non-finite exactly when an element is (up to
-    float64 gradients above ~1e154).
+    As `_stats.step_statistics` computes it in the step, for reading the
+    slots between steps. One dispatch for all variables (per-variable eager
+    ops would cost more than the reductions), module-level so that every
+    callback on the same model reuses one trace; `GradientNorms` calls its
+    concrete function, which skips the argument matching of each
+    `tf.function` call.
     """
-    fast = tf.stack(
-        [_squares(g, tf.float64 if g.dtype == tf.float64 else tf.float32) for g in grads]
-    )
-    return tf.cond(
-        tf.reduce_all(tf.math.is_finite(fast)),
-        lambda: tf.cast(fast, tf.float64),
-        lambda: tf.stack([_squares(g, tf.float64) for g in grads]),
-    )
+    return _stats.sum_squares(list(grads))
 
 
 class StepNorms:
@@ -121,6 +111,11 @@ class GradientNorms:
             squares = self._concrete(tensors).numpy()
         else:
             squares = np.zeros((0,), np.float64)
+        return self.from_squares(squares)
+
+    def from_squares(self, squares):
+        """Returns the `StepNorms` of each variable's sum of squares."""
+        squares = np.asarray(squares, np.float64)
         var_nonfinite = ~np.isfinite(squares)
         n_layers = len(self.layers)
         layer_squares = np.zeros(n_layers, np.float64)
@@ -132,6 +127,41 @@ class GradientNorms:
             float(np.sqrt(np.sum(squares))),
             layer_nonfinite,
         )
+
+
+class LatestNorms:
+    """A callback's view of each new step's norms.
+
+    Reads the statistics the training step recorded (`_stats.read`: one
+    small vector) when they describe a step this reader has not seen, else
+    the kept gradients themselves (a step that does not record, e.g. under
+    a `tf.distribute` strategy whose slots hold per-replica parts).
+
+    Args:
+        model: The `KeepGradModel`, at `on_train_begin`.
+    """
+
+    def __init__(self, model):
+        self.norms = GradientNorms(trainable_paths(model))
+        self._seen = _stats.count(model)
+
+    @property
+    def paths(self):
+        return self.norms.paths
+
+    @property
+    def layers(self):
+        return self.norms.layers
+
+    def read(self, model):
+        """The `StepNorms` of the step the slots hold."""
+        found = _stats.read(model)
+        if found is not None:
+            count, paths, squares = found
+            if count > self._seen and paths == self.norms.paths:
+                self._seen = count
+                return self.norms.from_squares(squares)
+        return self.norms(model.get_gradients_by_path())
 
 
 class StepCounter:

@@ -11,6 +11,7 @@ import numpy as np
 
 from keras_keepgrad import _checks
 from keras_keepgrad import _grad_stats
+from keras_keepgrad import _stats
 
 __all__ = ["GradientMonitor"]
 
@@ -130,11 +131,16 @@ class GradientMonitor(keras.callbacks.Callback):
         self._new = _grad_stats.NewGradients()
         self._step = 0
 
+    def set_model(self, model):
+        super().set_model(model)
+        # Before `fit` makes the training function: it records the norms.
+        _stats.require(model)
+
     def on_train_begin(self, logs=None):
         _grad_stats.require_kept_gradients(self.model, "GradientMonitor")
         self._steps.begin_train()
         self._new.begin(self.model)
-        self._norms = _grad_stats.GradientNorms(_grad_stats.trainable_paths(self.model))
+        self._norms = _grad_stats.LatestNorms(self.model)
         n_layers = len(self._norms.layers)
         self._below = np.zeros(n_layers, np.int64)
         self._vanished = np.zeros(n_layers, bool)
@@ -155,7 +161,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self._step = self._new.step_of(self.model, self._steps.step)
         if self._step is None:
             return  # `keep_every`: nothing kept since the last check
-        norms = self._norms(self.model.get_gradients_by_path())
+        norms = self._norms.read(self.model)
         if self.check_nonfinite:
             self._check_nonfinite(norms)
         if self.vanishing_threshold is not None:

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from keras_keepgrad import _checks
 from keras_keepgrad import _grad_stats
+from keras_keepgrad import _stats
 from keras_keepgrad import _tb_panels
 
 __all__ = ["GradientTensorBoard"]
@@ -119,13 +120,15 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             os.path.join(self.log_dir, "train"), "log_dir", self.log_dir
         )
         super().set_model(model)
+        # Before `fit` makes the training function: it records the norms.
+        _stats.require(model)
 
     def on_train_begin(self, logs=None):
         _grad_stats.require_kept_gradients(self.model, "GradientTensorBoard")
         super().on_train_begin(logs)
         self._steps.begin_train()
         self._new.begin(self.model)
-        self._norms = _grad_stats.GradientNorms(_grad_stats.trainable_paths(self.model))
+        self._norms = _grad_stats.LatestNorms(self.model)
         self._heatmap = _tb_panels.Heatmap()
         optimizer = self.model.optimizer
         self._loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
@@ -218,7 +221,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         step = self._new.step_of(self.model, self._steps.step)
         if step is None:
             return  # `keep_every`: nothing kept since the last record
-        norms = self._norms(self.model.get_gradients_by_path())
+        norms = self._norms.read(self.model)
         values = list(norms.layer_norms) + [norms.global_norm, float(norms.nonfinite)]
         self._scalars.write(step, values)
         self._heatmap.add(step, norms.layer_norms)

@@ -16,6 +16,7 @@ from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _keeper
 from keras_keepgrad import _saving
+from keras_keepgrad import _stats
 from keras_keepgrad import metrics as metrics_lib
 
 __all__ = ["KeepGradModel", "keep_gradients"]
@@ -412,6 +413,12 @@ class KeepGradModel(keras.Model):
         )
         kept, reduced, writes = self._keeper.store(
             variables, kept, self.distribute_strategy, every=self._keep_every
+        )
+        _stats.record(
+            self,
+            {v.path: g for v, g in zip(variables, kept)},
+            reduced=reduced,
+            wrote=writes[0][0] if self._keep_every > 1 else None,
         )
         grads = _keeper.after(writes, grads)
         grads = _keeper.agree_on_skip(self.optimizer, grads)
