@@ -7,6 +7,7 @@ import os
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_keepgrad import _checks
@@ -96,10 +97,15 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         histogram_freq=0,
         update_freq="epoch",
         write_heatmap=True,
+        gradient_histogram_freq=None,
         **kwargs,
     ):
         update_freq = _grad_stats.check_frequency("update_freq", update_freq)
         histogram_freq = _grad_stats.check_non_negative_int("histogram_freq", histogram_freq)
+        if gradient_histogram_freq is not None:
+            gradient_histogram_freq = _grad_stats.check_frequency(
+                "gradient_histogram_freq", gradient_histogram_freq, allow_epoch=False
+            )
         super().__init__(
             log_dir=log_dir,
             histogram_freq=histogram_freq,
@@ -107,6 +113,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             **kwargs,
         )
         self.write_heatmap = _checks.check_bool("write_heatmap", write_heatmap)
+        self.gradient_histogram_freq = gradient_histogram_freq
+        self._batch_logs = None
         self._steps = _grad_stats.StepCounter()
         self._new = _grad_stats.NewGradients()
         self._norms = None
@@ -143,8 +151,10 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             else 0
         )
         traced = self.update_freq != "epoch"
-        tags = [_tb_panels.layer_norm_tag(layer) for layer in self._norms.layers]
+        layers = self._norms.layers
+        tags = [_tb_panels.layer_norm_tag(layer) for layer in layers]
         tags += [_tb_panels.GLOBAL_NORM_TAG, _tb_panels.NONFINITE_TAG]
+        tags += _tb_panels.log10_norm_tags(layers) + [_tb_panels.LOG10_GLOBAL_TAG]
         self._scalars = _tb_panels.ScalarWriter(self._train_writer, tags, traced=traced)
         # The optimizer's scalars describe it now, not the kept step (which
         # under `keep_every` may be older): a writer of their own.
@@ -158,9 +168,27 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             if optimizer_tags
             else None
         )
+        self._batch_logs = None
+        self._histogram_step = None
         if not self._layout_written:
             self._guarded(self._write_layout)
             self._layout_written = True
+
+    def _scalar_writers(self):
+        return [
+            w
+            for w in (self._scalars, self._optimizer_scalars, self._batch_logs)
+            if w is not None
+        ]
+
+    def _flush_scalars(self):
+        for writer in self._scalar_writers():
+            writer.flush()
+
+    def on_train_end(self, logs=None):
+        # Before Keras closes the writers.
+        self._guarded(self._flush_scalars)
+        super().on_train_end(logs)
 
     def on_epoch_begin(self, epoch, logs=None):
         super().on_epoch_begin(epoch, logs)
@@ -168,12 +196,39 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self._epoch_first_step = self._steps.step
 
     def on_train_batch_end(self, batch, logs=None):
-        super().on_train_batch_end(batch, logs)
+        # Keras writes each batch log with an eager `tf.summary.scalar`; the
+        # same tags, steps and values go through one buffered writer here
+        # (`_write_batch_logs`), the rest of Keras's batch work as it is.
+        super().on_train_batch_end(batch, None)
+        if isinstance(logs, dict) and self.update_freq != "epoch":
+            self._guarded(self._write_batch_logs, logs)
         previous = self._steps.end_batch(batch, self.params)
         if self.update_freq != "epoch" and _grad_stats.crossed(
             previous, self._steps.step, self.update_freq
         ):
             self._guarded(self._record)
+        if self.gradient_histogram_freq is not None and _grad_stats.crossed(
+            previous, self._steps.step, self.gradient_histogram_freq
+        ):
+            step = self._new_histogram_step()
+            if step is not None:
+                self._guarded(self._write_histograms, step)
+
+    def _write_batch_logs(self, logs):
+        # As Keras 3.15: at its execution count, when it is a multiple of
+        # `update_freq`.
+        step = self._global_train_batch
+        if step % self.update_freq:
+            return
+        names = tuple(logs)
+        if self._batch_logs is None or self._batch_names != names:
+            if self._batch_logs is not None:
+                self._batch_logs.flush()
+            self._batch_names = names
+            self._batch_logs = _tb_panels.ScalarWriter(
+                self._train_writer, [f"batch_{n}" for n in names], traced=True
+            )
+        self._batch_logs.write(step, [float(np.asarray(logs[n])) for n in names])
 
     def on_epoch_end(self, epoch, logs=None):
         # Keras 3.15 leaves its batch-level `record_if` (counting executions)
@@ -185,9 +240,14 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             return
         if self.update_freq == "epoch" and self._steps.step > self._epoch_first_step:
             self._guarded(self._record)
+        self._guarded(self._flush_scalars)
         if not self._norms.paths:
             return  # No trainable variables: no gradients to draw.
-        if self.histogram_freq and epoch % self.histogram_freq == 0:
+        if (
+            self.gradient_histogram_freq is None
+            and self.histogram_freq
+            and epoch % self.histogram_freq == 0
+        ):
             self._guarded(self._write_histograms, epoch)
         if self.write_heatmap and self._heatmap.columns:
             self._guarded(self._write_heatmap, epoch)
@@ -208,7 +268,9 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     def _write_layout(self):
         with self._train_writer.as_default(), tf.summary.record_if(True):
-            if not _tb_panels.write_layout(self._loss_scaled):
+            if not _tb_panels.write_layout(
+                self._norms.layers, self._loss_scaled, self._count_skipped
+            ):
                 warnings.warn(
                     "The `tensorboard` package is not installed: "
                     "GradientTensorBoard writes no custom-scalars layout.",
@@ -222,8 +284,13 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         if step is None:
             return  # `keep_every`: nothing kept since the last record
         norms = self._norms.read(self.model)
-        values = list(norms.layer_norms) + [norms.global_norm, float(norms.nonfinite)]
-        self._scalars.write(step, values)
+        layer_norms = np.asarray(norms.layer_norms, np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logs = np.log10(np.append(layer_norms, norms.global_norm))
+        # A non-finite layer reads NaN in both views (its norm may be inf).
+        logs[:-1][norms.layer_nonfinite] = np.nan
+        values = list(layer_norms) + [norms.global_norm, float(norms.nonfinite)]
+        self._scalars.write(step, values + list(logs))
         self._heatmap.add(step, norms.layer_norms)
         if self._optimizer_scalars is not None:
             now = self._steps.step
@@ -236,21 +303,45 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
                 values.append(now - applied)
             self._optimizer_scalars.write(now, values)
 
-    def _write_histograms(self, epoch):
+    def _new_histogram_step(self):
+        """The step of the kept gradients, or None if already drawn."""
+        keeper = self.model._keeper
+        _, age = (None, 0) if keeper is None else keeper.last_write()
+        step = self._steps.step - age
+        if step == self._histogram_step:
+            return None
+        self._histogram_step = step
+        return step
+
+    def _write_histograms(self, step):
         grads = self.model.get_gradients_by_path()
         with self._train_writer.as_default(), tf.summary.record_if(True):
             for path, grad in grads.items():
+                values = tf.reshape(grad, [-1])
+                finite = tf.math.is_finite(values)
+                all_finite = bool(tf.reduce_all(finite))
                 tf.summary.histogram(
                     _tb_panels.histogram_tag(path),
-                    _tb_panels.finite_values(grad),
-                    step=epoch,
+                    values if all_finite else tf.boolean_mask(values, finite),
+                    step=step,
+                    description=_tb_panels.HISTOGRAM_DESCRIPTION,
                 )
+                if not all_finite:
+                    bad = tf.boolean_mask(values, ~finite)
+                    kinds = tf.where(tf.math.is_nan(bad), 0.0, tf.sign(tf.cast(bad, tf.float32)))
+                    tf.summary.histogram(
+                        _tb_panels.nonfinite_histogram_tag(path),
+                        kinds,
+                        step=step,
+                        description=_tb_panels.NONFINITE_HISTOGRAM_DESCRIPTION,
+                    )
 
     def _write_heatmap(self, epoch):
+        image = _tb_panels.render_heatmap(self._heatmap, self._norms.layers)
         with self._train_writer.as_default(), tf.summary.record_if(True):
             tf.summary.image(
                 _tb_panels.HEATMAP_TAG,
-                self._heatmap.image(),
+                image,
                 step=epoch,
                 description=_tb_panels.HEATMAP_DESCRIPTION,
             )
