@@ -441,7 +441,7 @@ def render_heatmap(heatmap, layers, title="Gradient L2 norm per layer, log10"):
     height = min(2.0 + 0.32 * n_layers, 24.0)
     figure = Figure(figsize=(width, height), dpi=100)
     FigureCanvasAgg(figure)
-    axes = figure.add_axes([0.2, 1.05 / height, 0.58, 1.0 - 1.75 / height])
+    axes = figure.add_axes([0.2, 1.0 / height, 0.58, 1.0 - 1.7 / height])
     cmap = colormaps["viridis"].with_extremes(bad=_hex(_NONFINITE_COLOR))
     finite = np.where(np.isfinite(logs), logs, np.nan)
     mesh = axes.pcolormesh(
@@ -470,7 +470,7 @@ def render_heatmap(heatmap, layers, title="Gradient L2 norm per layer, log10"):
     right.set_yticks(range(n_layers))
     right.set_yticklabels([_short(v) for v in last], fontsize=8)
     right.set_ylabel(f"last (step {steps[-1]})", fontsize=8)
-    bar_axes = figure.add_axes([0.9, 1.05 / height, 0.02, 1.0 - 1.75 / height])
+    bar_axes = figure.add_axes([0.9, 1.0 / height, 0.02, 1.0 - 1.7 / height])
     bar = figure.colorbar(mesh, cax=bar_axes, extend="both")
     bar.set_label("log10 norm (2nd-98th percentile)", fontsize=8)
     handles = [
@@ -495,8 +495,8 @@ def render_heatmap(heatmap, layers, title="Gradient L2 norm per layer, log10"):
                 label=f"first NaN/inf: step {step}, layer {layer} {layers[layer]}",
             )
         )
-    axes.legend(
-        handles=handles, loc="upper left", bbox_to_anchor=(0.0, -0.55 / height * 2.2),
+    figure.legend(
+        handles=handles, loc="lower left", bbox_to_anchor=(0.2, 0.08 / height),
         ncol=3, fontsize=8, frameon=False,
     )
     figure.canvas.draw()
