@@ -27,8 +27,8 @@ HEATMAP_DESCRIPTION = (
     "top, numbered as in the log10_grad_norm tags) and training step "
     "(x axis). Past 1024 recorded steps a column covers several, all the "
     "same number (doubling as the run grows; the last column may cover "
-    "fewer), and shows their geometric mean. Colors: viridis from the 2nd "
-    "to the 98th percentile of the finite log10 norms in the figure (at "
+    "fewer), and shows their geometric mean. Colors: viridis from the 5th "
+    "to the 95th percentile of the finite log10 norms in the figure (at "
     "least one decade wide), so that a short spike cannot wash out the rest; "
     "values beyond are drawn in the end colors (the color bar's triangles). "
     "Black: a zero norm; red: NaN or inf, and a red dashed line with its "
@@ -225,6 +225,13 @@ class ScalarWriter:
         self._function(tf.constant(rows), tf.constant(steps))
 
 
+def nonfinite_kinds(values):
+    """float32: -1 for each -inf entry, 0 for each NaN, +1 for each +inf."""
+    values = tf.reshape(values, [-1])
+    bad = tf.boolean_mask(values, ~tf.math.is_finite(values))
+    return tf.where(tf.math.is_nan(bad), 0.0, tf.sign(tf.cast(bad, tf.float32)))
+
+
 def finite_values(grad):
     """The finite entries of `grad`, flat (histograms of NaN are all NaN)."""
     values = tf.reshape(grad, [-1])
@@ -375,13 +382,14 @@ class Heatmap:
         return rgb[None]
 
 
-def color_range(logs, low_percentile=2.0, high_percentile=98.0, min_width=1.0):
+def color_range(logs, low_percentile=5.0, high_percentile=95.0, min_width=1.0):
     """The log10 range the heatmap's colors span.
 
     From the `low_percentile`-th to the `high_percentile`-th percentile of
     the finite values, widened about its middle to at least `min_width`
-    decades: a spike in a few cells falls beyond it (drawn in the end
-    color) instead of squeezing every other cell into one color.
+    decades: a spike in a few cells (one step of 20 or more, in every
+    layer) falls beyond it (drawn in the end color) instead of squeezing
+    every other cell into one color.
 
     Returns:
         `(low, high)` floats; `(-0.5, 0.5)` when nothing is finite.
@@ -472,7 +480,7 @@ def render_heatmap(heatmap, layers, title="Gradient L2 norm per layer, log10"):
     right.set_ylabel(f"last (step {steps[-1]})", fontsize=8)
     bar_axes = figure.add_axes([0.9, 1.0 / height, 0.02, 1.0 - 1.7 / height])
     bar = figure.colorbar(mesh, cax=bar_axes, extend="both")
-    bar.set_label("log10 norm (2nd-98th percentile)", fontsize=8)
+    bar.set_label("log10 norm (5th-95th percentile; beyond: end colors)", fontsize=8)
     handles = [
         Patch(color=_hex(_NONFINITE_COLOR), label="NaN or inf"),
         Patch(color=_hex(_ZERO_COLOR), label="zero"),

@@ -327,11 +327,9 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
                     description=_tb_panels.HISTOGRAM_DESCRIPTION,
                 )
                 if not all_finite:
-                    bad = tf.boolean_mask(values, ~finite)
-                    kinds = tf.where(tf.math.is_nan(bad), 0.0, tf.sign(tf.cast(bad, tf.float32)))
                     tf.summary.histogram(
                         _tb_panels.nonfinite_histogram_tag(path),
-                        kinds,
+                        _tb_panels.nonfinite_kinds(values),
                         step=step,
                         description=_tb_panels.NONFINITE_HISTOGRAM_DESCRIPTION,
                     )
