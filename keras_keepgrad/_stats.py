@@ -74,9 +74,11 @@ def sum_squares(grads):
     if not grads:
         return tf.zeros((0,), tf.float64)
     fast = tf.stack(
-        [_squares(g, tf.float64 if g.dtype == tf.float64 else tf.float32) for g in grads]
+        [
+            tf.cast(_squares(g, tf.float64 if g.dtype == tf.float64 else tf.float32), tf.float64)
+            for g in grads
+        ]
     )
-    fast = tf.cast(fast, tf.float64)
     return tf.cond(
         tf.reduce_all(tf.math.is_finite(fast)),
         lambda: fast,
