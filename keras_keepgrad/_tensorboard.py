@@ -28,6 +28,11 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
       and `gradients/global_norm`, the norm over all of them; every
       `update_freq` batches (with `"epoch"`: at each epoch end, from the
       epoch's last batch), at the training-batch step.
+    - `log10_grad_norm/<NN>_<layer>` and `log10_grad_norm/global`: the same
+      norms as log10 (-6 reads 1e-6, where a linear value table shows 0),
+      `NN` the layer's position in forward order, so that TensorBoard's
+      alphabetical order is forward order. NaN at a non-finite step, which
+      TensorBoard's charts mark with a triangle.
     - `gradients/nonfinite`: 1.0 where that step's gradients hold a NaN or
       an infinity, else 0.0. Under a `keras.optimizers.LossScaleOptimizer`
       also `gradients/skipped_steps` (the steps it skipped since `fit`
@@ -35,30 +40,40 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
       describing the optimizer when they are written: at the current
       training-batch step, which under `keep_every` can be later than the
       kept step the norms are labelled with.
-    - `gradients/histogram/<variable path>`: histograms of the gradients of
-      the epoch's last batch (its finite values), every `histogram_freq`
-      epochs, at the epoch step, beside Keras's weight histograms.
+    - `<variable path>/gradient`: histograms of the finite gradient values,
+      beside Keras's `<variable path>/histogram` of the weights (the same
+      TensorBoard category); every `histogram_freq` epochs from the epoch's
+      last batch, at the epoch step, or with `gradient_histogram_freq=N`
+      every N training batches, at the batch step. Where the gradient held
+      NaN or inf, also `<variable path>/gradient_nonfinite`: -1 per -inf
+      entry, 0 per NaN, +1 per +inf (an all-non-finite step leaves the
+      gradient slice empty; this marks it).
     - `gradients/heatmap`: at each epoch end once a step was recorded
-      (with an integer `update_freq`, not before that many steps), an
-      image of log10 layer norms,
-      layers (rows, forward order) by recorded steps (columns), for the
-      whole run so far: at most 1024 columns, each the geometric mean of
-      the same number of recorded steps (doubled as the run grows; the last
-      column may hold fewer).
-    - A custom-scalars layout, "Gradient panels": per-layer norms in one
-      multiline chart, the global norm, non-finite and skipped steps (and
-      the loss scale under a `LossScaleOptimizer`).
+      (with an integer `update_freq`, not before that many steps), a
+      figure of log10 layer norms: layers (rows, forward order, named) by
+      training step, for the whole run so far, with a color bar over the
+      5th to 95th percentile of the norms (a short spike cannot wash out
+      the rest; beyond are the end colors), zero black and NaN/inf red
+      (named in its legend), a dashed line at the first non-finite step,
+      and each layer's last norm on the right. At most 1024 columns, each
+      the geometric mean of the same number of recorded steps (doubled as
+      the run grows; the last column may hold fewer).
+    - A custom-scalars layout, "Gradient panels": the global log10 norm,
+      non-finite (and skipped) steps, and one chart per layer, titled with
+      its position and name; under a `LossScaleOptimizer` also a category
+      "Gradient panels: loss scale".
+
+    Frequent scalars (and Keras's own batch logs, same tags and steps) are
+    written through one buffered writer: at most 1 s or 256 rows late, and
+    always at each epoch end and when `fit` ends.
 
     Layers are variable paths minus their last component; see the module
     docstring, also for steps under `steps_per_execution`.
 
-    Cost (`benchmarks/tensorboard_overhead.py`: a 1.06M-parameter MLP, 2
-    shared CPU cores): with `update_freq="epoch"` the gradients are read once
-    per epoch, about 6 ms per epoch more than `keras.callbacks.TensorBoard`
-    (0.5% of a 100-step epoch). With an integer `update_freq` each recorded
-    step reads all gradients and writes one scalar per layer: about 2 ms per
-    recorded step on that model (17% of its 12 ms step at `update_freq=1`);
-    a larger `update_freq` divides it.
+    Cost: the norms come from statistics the training step computes once
+    (`keras_keepgrad._stats`) and this callback reads as one small vector
+    per recorded step; see `benchmarks/per_batch_overhead.py` and
+    `benchmarks/tensorboard_overhead.py`. Histograms read every gradient.
 
     Args:
         log_dir: Str or path. The directory to write to, as for
@@ -70,11 +85,15 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             `"epoch"`.
         write_heatmap: Bool. Write the heatmap image at each epoch end.
             Defaults to `True`.
+        gradient_histogram_freq: None or a positive int. With an int, write
+            the gradient histograms every this many training batches
+            instead of with the weight histograms. Defaults to `None`.
         **kwargs: Passed on to `keras.callbacks.TensorBoard`
             (`write_graph`, `write_images`, `profile_batch`, ...).
 
     Raises:
-        ValueError: On an invalid `update_freq` or `histogram_freq`; when
+        ValueError: On an invalid `update_freq`, `histogram_freq` or
+            `gradient_histogram_freq`; when
             `log_dir` is not writable, or the model was built with
             `keep_gradients=False` (both at the start of `fit`).
         TypeError: The model is not a `KeepGradModel` (at the start of `fit`).

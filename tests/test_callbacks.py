@@ -798,6 +798,11 @@ def test_snapshot_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
             "`histogram_freq` must be a non-negative int (0 disables it). Received: histogram_freq=-1",
         ),
         (
+            lambda: callbacks.GradientTensorBoard(gradient_histogram_freq="epoch"),
+            "`gradient_histogram_freq` must be 'batch' or a positive int. "
+            "Received: gradient_histogram_freq='epoch'",
+        ),
+        (
             lambda: callbacks.GradientMonitor(action="panic"),
             "`action` must be one of ['warn', 'stop', 'raise']. Received: action='panic'",
         ),
