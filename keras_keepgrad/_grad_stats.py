@@ -116,12 +116,15 @@ class GradientNorms:
     def from_squares(self, squares):
         """Returns the `StepNorms` of each variable's sum of squares."""
         squares = np.asarray(squares, np.float64)
-        var_nonfinite = ~np.isfinite(squares)
         n_layers = len(self.layers)
-        layer_squares = np.zeros(n_layers, np.float64)
-        np.add.at(layer_squares, self._layer_index, squares)
-        layer_nonfinite = np.zeros(n_layers, bool)
-        np.logical_or.at(layer_nonfinite, self._layer_index, var_nonfinite)
+        with np.errstate(invalid="ignore"):
+            layer_squares = np.bincount(
+                self._layer_index, weights=squares, minlength=n_layers
+            )
+        var_nonfinite = ~np.isfinite(squares)
+        layer_nonfinite = (
+            np.bincount(self._layer_index, weights=var_nonfinite, minlength=n_layers) > 0
+        )
         return StepNorms(
             np.sqrt(layer_squares),
             float(np.sqrt(np.sum(squares))),
@@ -153,14 +156,22 @@ class LatestNorms:
     def layers(self):
         return self.norms.layers
 
-    def read(self, model):
-        """The `StepNorms` of the step the slots hold."""
-        found = _stats.read(model)
+    def read(self, model, logs=None):
+        """The `StepNorms` of the step the slots hold.
+
+        Args:
+            model: The model.
+            logs: The `on_train_batch_end` logs, so that the callbacks of
+                one batch share one read (`_stats.read`).
+        """
+        found = _stats.read(model, logs)
         if found is not None:
             count, paths, squares = found
             if count > self._seen and paths == self.norms.paths:
                 self._seen = count
-                return self.norms.from_squares(squares)
+                if np.isfinite(squares).all():
+                    return self.norms.from_squares(squares)
+                # Overflow or NaN/inf: the slots tell them apart (float64).
         return self.norms(model.get_gradients_by_path())
 
 

@@ -130,6 +130,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self._steps = _grad_stats.StepCounter()
         self._new = _grad_stats.NewGradients()
         self._step = 0
+        self._logs = None
 
     def set_model(self, model):
         super().set_model(model)
@@ -153,6 +154,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self._steps.begin_epoch(epoch)
 
     def on_train_batch_end(self, batch, logs=None):
+        self._logs = logs if isinstance(logs, dict) else None
         previous = self._steps.end_batch(batch, self.params)
         if not self._norms.paths or not _grad_stats.crossed(
             previous, self._steps.step, self.check_freq
@@ -161,7 +163,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self._step = self._new.step_of(self.model, self._steps.step)
         if self._step is None:
             return  # `keep_every`: nothing kept since the last check
-        norms = self._norms.read(self.model)
+        norms = self._norms.read(self.model, self._logs)
         if self.check_nonfinite:
             self._check_nonfinite(norms)
         if self.vanishing_threshold is not None:

@@ -69,8 +69,16 @@ def step_statistics(grads_by_path, layer_order=None):
     return {"squares": squares, "layer_squares": layer_squares}
 
 
-def sum_squares(grads):
-    """float64 `[len(grads)]`: each gradient's sum of squares (see above)."""
+def sum_squares(grads, exact=True):
+    """float64 `[len(grads)]`: each gradient's sum of squares.
+
+    Args:
+        grads: List of gradients (dense tensors or `tf.IndexedSlices`).
+        exact: Bool. With False, the float32 sums only (no conditional in
+            the step): a sum that overflows float32 (a norm above ~1.8e19)
+            reads inf, like a gradient holding inf. A reader that must tell
+            them apart sums again when a value is not finite.
+    """
     if not grads:
         return tf.zeros((0,), tf.float64)
     fast = tf.stack(
@@ -79,6 +87,8 @@ def sum_squares(grads):
             for g in grads
         ]
     )
+    if not exact:
+        return fast
     return tf.cond(
         tf.reduce_all(tf.math.is_finite(fast)),
         lambda: fast,
@@ -106,7 +116,7 @@ def _same(a, b):
 
 
 def shared_squares(grads_by_path):
-    """The `"squares"` of `step_statistics(grads_by_path)`, computed once.
+    """`sum_squares(..., exact=False)` of the gradients, computed once.
 
     Within one step (one trace, or one eager step), every caller with the
     same gradient tensors gets the same tensor: `record` and each gradient
@@ -118,7 +128,7 @@ def shared_squares(grads_by_path):
     latest = getattr(_latest, "value", None)
     if latest is not None and _same(latest[0], tensors):
         return latest[1]
-    squares = sum_squares(list(tensors))
+    squares = sum_squares(list(tensors), exact=False)
     _latest.value = (tensors, squares)
     return squares
 
@@ -140,6 +150,7 @@ class _Holder:
         self.requested = False
         self.paths = None
         self.values = None
+        self.cache = None  # (logs, what `read` returned for them)
 
 
 def _holder(model, create=False):
@@ -199,7 +210,7 @@ def record(model, grads_by_path, reduced=True, wrote=None):
         squares = (
             shared_squares(grads_by_path)
             if wrote is None
-            else sum_squares(list(grads_by_path.values()))
+            else sum_squares(list(grads_by_path.values()), exact=False)
         )
         count = holder.values[len(paths)] + 1.0
         holder.values.assign(tf.concat([squares, count[None]], 0), read_value=False)
@@ -235,8 +246,16 @@ def _create_values(holder, paths, strategy):
         create()
 
 
-def read(model):
+def read(model, logs=None):
     """The last recorded step's statistics, between steps.
+
+    Args:
+        model: The model.
+        logs: The `logs` dict of the `on_train_batch_end` call, or None.
+            Keras hands the same dict to every callback of one batch and a
+            new one each batch: callbacks that pass it share one read. The
+            dict is held until the next read, so its identity cannot be
+            reused by another batch's meanwhile.
 
     Returns:
         `(count, paths, squares)`: how many steps were recorded so far (a
@@ -248,9 +267,14 @@ def read(model):
     holder = _holder(model)
     if holder is None or holder.values is None:
         return None
+    cached = holder.cache
+    if logs is not None and cached is not None and cached[0] is logs:
+        return cached[1]
     strategy = model.distribute_strategy
     values = strategy.experimental_local_results(holder.values)[0].numpy()
-    return int(values[-1]), holder.paths, values[:-1]
+    found = int(values[-1]), holder.paths, values[:-1]
+    holder.cache = None if logs is None else (logs, found)
+    return found
 
 
 def count(model):

@@ -134,6 +134,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self.write_heatmap = _checks.check_bool("write_heatmap", write_heatmap)
         self.gradient_histogram_freq = gradient_histogram_freq
         self._batch_logs = None
+        self._logs = None  # this batch's, for `_stats.read`
         self._steps = _grad_stats.StepCounter()
         self._new = _grad_stats.NewGradients()
         self._norms = None
@@ -219,6 +220,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         # same tags, steps and values go through one buffered writer here
         # (`_write_batch_logs`), the rest of Keras's batch work as it is.
         super().on_train_batch_end(batch, None)
+        self._logs = logs if isinstance(logs, dict) else None
         if isinstance(logs, dict) and self.update_freq != "epoch":
             self._guarded(self._write_batch_logs, logs)
         previous = self._steps.end_batch(batch, self.params)
@@ -258,6 +260,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         if self._steps.step == 0:
             return
         if self.update_freq == "epoch" and self._steps.step > self._epoch_first_step:
+            self._logs = None
             self._guarded(self._record)
         self._guarded(self._flush_scalars)
         if not self._norms.paths:
@@ -302,7 +305,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         step = self._new.step_of(self.model, self._steps.step)
         if step is None:
             return  # `keep_every`: nothing kept since the last record
-        norms = self._norms.read(self.model)
+        norms = self._norms.read(self.model, self._logs)
         layer_norms = np.asarray(norms.layer_norms, np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):
             logs = np.log10(np.append(layer_norms, norms.global_norm))

@@ -475,9 +475,17 @@ class NonFiniteGradients(GradientMetric):
         super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
 
     def _step_values(self, grads):
-        # A sum of squares is non-finite exactly when an entry is (`_stats`).
+        # A finite sum of squares has finite entries; a non-finite one may
+        # be a float32 overflow, which the entries themselves tell apart.
         squares = _stats.shared_squares(grads)
-        all_finite = tf.reduce_all(tf.math.is_finite(squares))
+
+        def entries_finite():
+            finite = [tf.reduce_all(tf.math.is_finite(_float32(g))) for g in grads.values()]
+            return tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
+
+        all_finite = tf.cond(
+            tf.reduce_all(tf.math.is_finite(squares)), lambda: tf.constant(True), entries_finite
+        )
         return {self.name: 1.0 - tf.cast(all_finite, tf.float32)}
 
 

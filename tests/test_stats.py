@@ -141,3 +141,34 @@ def test_metrics_and_statistics_share_one_computation():
     other = {"a/kernel": tf.constant([3.0, 4.0])}
     assert _stats.shared_squares(other) is not first  # other tensors
     assert first.numpy().tolist() == [25.0]
+
+
+def test_an_overflowing_sum_is_not_taken_for_nan(tmp_path):
+    # x = [[1e10], [2e10]]: dL/dw = w * (1e20 + 4e20) = 1.5e21 at w = 3,
+    # finite in float32, but its square (2.25e42) overflows float32: the
+    # step records inf, and the callbacks sum the slots again in float64.
+    model = hand_model()
+    x, y = np.array([[1e10], [2e10]]), np.zeros((2, 1))
+    monitor = kg.callbacks.GradientMonitor(action="raise")
+    seen = Squares()
+    model.fit(x, y, batch_size=2, verbose=0, callbacks=[
+        monitor, kg.callbacks.GradientTensorBoard(str(tmp_path), update_freq=1), seen])
+    assert seen.seen[0][2] == [np.inf]
+    assert monitor.events == []
+    from tensorboard.backend.event_processing import event_accumulator
+
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "train"),
+                                             size_guidance={"tensors": 0})
+    acc.Reload()
+
+    def values(tag):
+        return [float(tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)]
+
+    assert values("gradients/nonfinite") == [0.0]
+    assert values("gradients/global_norm") == [float(np.float32(1.5e21))]
+    assert values("log10_grad_norm/global") == [float(np.float32(np.log10(1.5e21)))]
+
+
+def test_sum_squares_without_the_exact_pass_reads_overflow_as_inf():
+    squares = _stats.sum_squares([tf.constant([3e19]), tf.constant([2.0])], exact=False)
+    assert squares.numpy().tolist() == [np.inf, 4.0]
