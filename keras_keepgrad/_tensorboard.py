@@ -4,6 +4,7 @@ Conventions for steps and layers: see `keras_keepgrad.callbacks`.
 """
 
 import os
+import time
 import warnings
 
 import keras
@@ -16,6 +17,10 @@ from keras_keepgrad import _stats
 from keras_keepgrad import _tb_panels
 
 __all__ = ["GradientTensorBoard"]
+
+# The heatmap figure may take at most this share of a `fit`'s time, except
+# at its last epoch (see `GradientTensorBoard._heatmap_due`).
+_HEATMAP_SHARE = 0.02
 
 
 class GradientTensorBoard(keras.callbacks.TensorBoard):
@@ -49,8 +54,10 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
       entry, 0 per NaN, +1 per +inf (an all-non-finite step leaves the
       gradient slice empty; this marks it).
     - `gradients/heatmap`: at each epoch end once a step was recorded
-      (with an integer `update_freq`, not before that many steps), a
-      figure of log10 layer norms: layers (rows, forward order, named) by
+      (with an integer `update_freq`, not before that many steps; drawing
+      takes about 0.2 s, so in a `fit` of many short epochs only while that
+      stays under 2% of the training time, and always at the last epoch or
+      when `fit` stops early), a figure of log10 layer norms: layers (rows, forward order, named) by
       training step, for the whole run so far, with a color bar over the
       5th to 95th percentile of the norms (a short spike cannot wash out
       the rest; beyond are the end colors), zero black and NaN/inf red
@@ -158,6 +165,10 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self._new.begin(self.model)
         self._norms = _grad_stats.LatestNorms(self.model)
         self._heatmap = _tb_panels.Heatmap()
+        self._train_began = time.monotonic()
+        self._heatmap_seconds = 0.0  # spent drawing it in this `fit`
+        self._heatmap_last = 0.2  # seconds the last figure took
+        self._heatmap_pending = None  # an epoch whose figure was skipped
         optimizer = self.model.optimizer
         self._loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         # The inner optimizer's iterations only advance on applied steps; under
@@ -208,6 +219,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
     def on_train_end(self, logs=None):
         # Before Keras closes the writers.
         self._guarded(self._flush_scalars)
+        if self._heatmap_pending is not None:  # stopped before the last epoch
+            self._guarded(self._write_heatmap, self._heatmap_pending)
         super().on_train_end(logs)
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -272,8 +285,24 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         ):
             self._guarded(self._write_histograms, epoch)
         if self.write_heatmap and self._heatmap.columns:
-            self._guarded(self._write_heatmap, epoch)
+            if self._heatmap_due(epoch):
+                self._guarded(self._write_heatmap, epoch)
+            else:
+                self._heatmap_pending = epoch
         self._guarded(self._train_writer.flush)
+
+    def _heatmap_due(self, epoch):
+        """Whether to draw the figure at this epoch's end.
+
+        Drawing it takes about 0.2 s. In a `fit` of many short epochs it is
+        drawn only while that keeps below `_HEATMAP_SHARE` of the training
+        time, and always at the last epoch (or when `fit` ends early).
+        """
+        last = epoch + 1 >= (self.params or {}).get("epochs", epoch + 1)
+        elapsed = time.monotonic() - self._train_began
+        # The next figure is expected to cost what the last one did.
+        expected = self._heatmap_seconds + self._heatmap_last
+        return last or expected <= _HEATMAP_SHARE * elapsed
 
     def _guarded(self, fn, *args):
         # A TensorBoard problem is warned about once, never raised mid-`fit`.
@@ -357,7 +386,11 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
                     )
 
     def _write_heatmap(self, epoch):
+        start = time.monotonic()
+        self._heatmap_pending = None
         image = _tb_panels.render_heatmap(self._heatmap, self._norms.layers)
+        self._heatmap_last = time.monotonic() - start
+        self._heatmap_seconds += self._heatmap_last
         with self._train_writer.as_default(), tf.summary.record_if(True):
             tf.summary.image(
                 _tb_panels.HEATMAP_TAG,
