@@ -12,6 +12,7 @@ import numpy as np
 from keras_keepgrad import _checks
 from keras_keepgrad import _grad_stats
 from keras_keepgrad import _stats
+from keras_keepgrad import _tb_panels
 
 __all__ = ["GradientMonitor"]
 
@@ -270,6 +271,8 @@ class GradientMonitor(keras.callbacks.Callback):
             }
         )
         if self.action == "raise":
+            # `fit` ends without `on_train_end`: write the buffered panels.
+            _tb_panels.flush_all()
             raise RuntimeError(f"GradientMonitor: {message}")
         if self.action == "stop":
             warnings.warn(f"GradientMonitor: {message} Stopping training.", stacklevel=3)

@@ -7,6 +7,7 @@ in one section; the second component keeps the kinds apart (a layer named
 
 import re
 import time
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -134,6 +135,19 @@ def write_layout(layers, loss_scaled, count_skipped):
     return True
 
 
+_WRITERS = weakref.WeakSet()
+
+
+def flush_all():
+    """Writes every buffered row, e.g. before an error ends `fit` (which
+    then calls no `on_train_end`). A writer that fails is skipped."""
+    for writer in list(_WRITERS):
+        try:
+            writer.flush()
+        except (tf.errors.OpError, OSError):
+            pass
+
+
 class ScalarWriter:
     """Writes a fixed list of scalar tags, one value each per step.
 
@@ -158,6 +172,7 @@ class ScalarWriter:
     """
 
     def __init__(self, writer, tags, traced, max_rows=256, max_seconds=1.0):
+        _WRITERS.add(self)
         self.writer = writer
         self.tags = tuple(tags)
         self.traced = traced
@@ -179,17 +194,19 @@ class ScalarWriter:
         with self.writer.as_default(), tf.summary.record_if(True):
 
             def body(j):
-                for i, tag in enumerate(self.tags):
-                    tf.summary.write(
-                        tag, values[j, i], step=steps[j], metadata=serialized
-                    )
+                # One slice and one unstack per row, not one slice per value.
+                row = tf.unstack(values[j], num=len(self.tags))
+                step = steps[j]
+                for tag, value in zip(self.tags, row):
+                    tf.summary.write(tag, value, step=step, metadata=serialized)
                 return (j + 1,)
 
             return tf.while_loop(
                 lambda j: j < tf.shape(steps)[0], body, (tf.constant(0),)
             )
 
-    def write(self, step, values):
+    def write(self, step, values, now=False):
+        """Adds one step's values; `now=True` writes the buffer at once."""
         values = np.asarray(values, dtype=np.float32)
         if not self.traced:
             self._write_eager(values, step)
@@ -199,7 +216,8 @@ class ScalarWriter:
         self._rows.append(values)
         self._steps.append(step)
         if (
-            len(self._rows) >= self.max_rows
+            now
+            or len(self._rows) >= self.max_rows
             or time.monotonic() - self._since >= self.max_seconds
         ):
             self.flush()

@@ -72,7 +72,9 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     Frequent scalars (and Keras's own batch logs, same tags and steps) are
     written through one buffered writer: at most 1 s or 256 rows late, and
-    always at each epoch end and when `fit` ends.
+    always at each epoch end, when `fit` ends, at once for a step with a
+    non-finite value, and before `GradientMonitor(action="raise")` raises.
+    An error raised elsewhere can leave up to 1 s of rows unwritten.
 
     Layers are variable paths minus their last component; see the module
     docstring, also for steps under `steps_per_execution`.
@@ -262,7 +264,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             self._batch_logs = _tb_panels.ScalarWriter(
                 self._train_writer, [f"batch_{n}" for n in names], traced=True
             )
-        self._batch_logs.write(step, [float(np.asarray(logs[n])) for n in names])
+        values = [float(np.asarray(logs[n])) for n in names]
+        self._batch_logs.write(step, values, now=not np.isfinite(values).all())
 
     def on_epoch_end(self, epoch, logs=None):
         # Keras 3.15 leaves its batch-level `record_if` (counting executions)
@@ -341,7 +344,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         # A non-finite layer reads NaN in both views (its norm may be inf).
         logs[:-1][norms.layer_nonfinite] = np.nan
         values = list(layer_norms) + [norms.global_norm, float(norms.nonfinite)]
-        self._scalars.write(step, values + list(logs))
+        # A non-finite step is written at once: an error may end `fit` next.
+        self._scalars.write(step, values + list(logs), now=norms.nonfinite)
         self._heatmap.add(step, norms.layer_norms)
         if self._optimizer_scalars is not None:
             now = self._steps.step

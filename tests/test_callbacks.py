@@ -892,3 +892,42 @@ def test_callbacks_need_a_model_that_keeps_gradients(tmp_path):
 def test_package_exposes_callbacks():
     assert kg.callbacks.GradientTensorBoard is callbacks.GradientTensorBoard
     assert issubclass(kg.callbacks.GradientTensorBoard, keras.callbacks.TensorBoard)
+
+
+@pytest.mark.parametrize("board_first", [True, False])
+def test_buffered_scalars_are_written_before_the_monitor_raises(tmp_path, board_first):
+    # The NaN batch (step 2) makes GradientMonitor raise: fit ends without
+    # `on_train_end`. The board writes a non-finite step at once; called
+    # after the monitor it never sees step 2, and the monitor writes the
+    # buffered step 1 before it raises.
+    log_dir = str(tmp_path / "logs")
+    model, x, y = nan_model_and_data()
+    board = callbacks.GradientTensorBoard(log_dir, update_freq=1)
+    monitor = callbacks.GradientMonitor(action="raise")
+    with pytest.raises(RuntimeError, match="Step 2: non-finite"):
+        model.fit(x, y, batch_size=2, shuffle=False, verbose=0,
+                  callbacks=[board, monitor] if board_first else [monitor, board])
+    board._train_writer.flush()
+    acc = read_run(os.path.join(log_dir, "train"))
+    steps = [1, 2] if board_first else [1]
+    assert scalars(acc, "gradients/nonfinite") == [(1, 0.0), (2, 1.0)][: len(steps)]
+    assert [e.step for e in acc.Tensors("batch_loss")] == steps
+
+
+def test_scalar_writer_buffers_rows_until_full_or_flushed(tmp_path):
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    scalar_writer = _tb_panels.ScalarWriter(writer, ["a", "b"], traced=True, max_rows=3,
+                                            max_seconds=3600.0)
+    scalar_writer.write(1, [1.0, 2.0])
+    scalar_writer.write(2, [3.0, np.nan])
+    writer.flush()
+    assert read_run(str(tmp_path)).Tags()["tensors"] == []  # still buffered
+    scalar_writer.write(3, [5.0, 6.0])  # the third row fills the buffer
+    scalar_writer.write(4, [7.0, 8.0])
+    scalar_writer.flush()
+    writer.flush()
+    acc = read_run(str(tmp_path))
+    assert scalars(acc, "a") == [(1, 1.0), (2, 3.0), (3, 5.0), (4, 7.0)]
+    b = scalars(acc, "b")
+    assert [s for s, _ in b] == [1, 2, 3, 4] and np.isnan(b[1][1])
+    assert [v for _, v in b if np.isfinite(v)] == [2.0, 6.0, 8.0]
