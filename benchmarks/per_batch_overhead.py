@@ -25,7 +25,7 @@ MLP. A warm-up `fit` per variant excludes tracing and the first writers.
 Usage:
 
 ```shell
-python benchmarks/per_batch_overhead.py            # 7 rounds of 2 x 300 steps
+python benchmarks/per_batch_overhead.py            # 5 rounds of 2 x 1000 steps, ~8 min
 python benchmarks/per_batch_overhead.py --rounds 3 --steps 100
 python benchmarks/per_batch_overhead.py --smoke    # seconds; numbers are noise
 ```
@@ -187,8 +187,8 @@ def run(name, spec, rounds, steps, epochs, root):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=300, help="steps per epoch")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=1000, help="steps per epoch")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--models", default="tiny,mlp_1m")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, 2 rounds")

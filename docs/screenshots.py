@@ -3,8 +3,10 @@
 Trains the demo's two models (`python -m keras_keepgrad.demo`) and a third
 run whose inputs turn NaN at step 35, starts `tensorboard` on their logs
 (on 127.0.0.1 only), and photographs each dashboard with headless
-Chromium (Debian's `chromium` package: `apt-get install chromium`). Also
-writes the heatmap figure of each run straight from its event file.
+Chromium (Debian's `chromium` package: `apt-get install chromium`). The
+heatmap figures (`heatmap.png`: the demo's sigmoid model, whose first
+layers' gradients vanish; `heatmap_nan.png`: the NaN run) are written
+straight from the event files, at their own size.
 
 Usage:
 
@@ -30,14 +32,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# name: (TensorBoard route, wait in virtual milliseconds)
+# picture name: the page's query and route in TensorBoard (Time Series reads
+# its settings from the query, the older dashboards from the route).
 DASHBOARDS = {
+    "tensorboard_time_series": "?smoothing=0&tagFilter=log10_grad_norm#timeseries",
     "tensorboard_scalars": "#scalars&tagFilter=log10_grad_norm&_smoothingWeight=0",
-    "tensorboard_time_series": "#timeseries",
     "tensorboard_custom_scalars": "#custom_scalars&_smoothingWeight=0",
-    "tensorboard_histograms": "#histograms&tagFilter=dense_0",
-    "tensorboard_images": "#images",
+    "tensorboard_histograms": "#histograms&tagFilter=dense_0/",
 }
+# Heatmap pictures: run -> file name.
+HEATMAPS = {"sigmoid": "heatmap", "nan_at_35": "heatmap_nan"}
 
 
 def nan_run(log_dir, nan_step=35, steps=50):
@@ -81,7 +85,7 @@ def write_heatmaps(logdir, out):
     from tensorboard.backend.event_processing import event_accumulator
 
     written = []
-    for run in sorted(os.listdir(logdir)):
+    for run, name in HEATMAPS.items():
         train = os.path.join(logdir, run, "train")
         if not os.path.isdir(train):
             continue
@@ -90,7 +94,7 @@ def write_heatmaps(logdir, out):
         if "gradients/heatmap" not in acc.Tags()["tensors"]:
             continue
         _, _, png = tf.make_ndarray(acc.Tensors("gradients/heatmap")[-1].tensor_proto)
-        path = os.path.join(out, f"heatmap_{run}.png")
+        path = os.path.join(out, f"{name}.png")
         with open(path, "wb") as f:
             f.write(png)
         written.append(path)
