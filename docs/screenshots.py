@@ -32,13 +32,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# picture name: the page's query and route in TensorBoard (Time Series reads
-# its settings from the query, the older dashboards from the route).
+# picture name: (the page's query and route in TensorBoard, virtual ms to
+# wait). Time Series reads its settings from the query and draws with SVG
+# when asked (`forceSVG`: headless Chromium has no WebGL); the older
+# dashboards read theirs from the route.
 DASHBOARDS = {
-    "tensorboard_time_series": "?smoothing=0&tagFilter=log10_grad_norm#timeseries",
-    "tensorboard_scalars": "#scalars&tagFilter=log10_grad_norm&_smoothingWeight=0",
-    "tensorboard_custom_scalars": "#custom_scalars&_smoothingWeight=0",
-    "tensorboard_histograms": "#histograms&tagFilter=dense_0/",
+    "tensorboard_time_series": (
+        "?forceSVG=true&smoothing=0&tagFilter=log10_grad_norm#timeseries", 120000
+    ),
+    "tensorboard_scalars": ("#scalars&tagFilter=log10_grad_norm&_smoothingWeight=0", 20000),
+    "tensorboard_custom_scalars": ("#custom_scalars&_smoothingWeight=0", 20000),
+    "tensorboard_histograms": ("#histograms&tagFilter=dense_0/", 20000),
 }
 # Heatmap pictures: run -> file name.
 HEATMAPS = {"sigmoid": "heatmap", "nan_at_35": "heatmap_nan"}
@@ -139,7 +143,7 @@ def screenshot(chromium, url, path, width, height, wait_ms):
              "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}",
              "--hide-scrollbars", f"--window-size={width},{height}",
              f"--virtual-time-budget={wait_ms}", f"--screenshot={path}", url],
-            check=True, capture_output=True, timeout=180,
+            check=True, capture_output=True, timeout=300,
         )
     finally:
         shutil.rmtree(profile, ignore_errors=True)
@@ -152,7 +156,6 @@ def main(argv=None):
     parser.add_argument("--chromium", default=shutil.which("chromium") or "chromium")
     parser.add_argument("--width", type=int, default=1400)
     parser.add_argument("--height", type=int, default=1000)
-    parser.add_argument("--wait-ms", type=int, default=20000)
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     logdir = args.logdir or tempfile.mkdtemp(prefix="screenshots_")
@@ -165,10 +168,10 @@ def main(argv=None):
     with open(log_path, "wb") as log_file:
         server = serve(logdir, port, log_file)
         try:
-            for name, route in DASHBOARDS.items():
+            for name, (route, wait_ms) in DASHBOARDS.items():
                 path = os.path.join(args.out, name + ".png")
                 screenshot(args.chromium, f"http://127.0.0.1:{port}/{route}", path,
-                           args.width, args.height, args.wait_ms)
+                           args.width, args.height, wait_ms)
                 print(path)
         finally:
             server.terminate()
