@@ -499,6 +499,22 @@ def test_mixed_precision_skipped_step_panels_and_snapshot(tmp_path, mixed_float1
     assert scalars(acc, "gradients/nonfinite") == [(1, 0.0), (2, 1.0), (3, 0.0)]
     assert scalars(acc, "gradients/skipped_steps") == [(1, 0.0), (2, 1.0), (3, 1.0)]
     assert scalars(acc, "gradients/loss_scale") == [(1, 8.0), (2, 4.0), (3, 4.0)]
+    # The NaN step's log10 norms are NaN (TensorBoard marks them).
+    log10 = scalars(acc, "log10_grad_norm/00_dense_0")
+    assert log10[0] == (1, float(np.float32(np.log10(15.0)))) and np.isnan(log10[1][1])
+    # The loss scale has its own category, only in this run's layout.
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    (event,) = acc.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(tf.make_ndarray(event.tensor_proto).item())
+    assert [c.title for c in layout.category] == [
+        "Gradient panels", "Gradient panels: loss scale"]
+    (chart,) = layout.category[1].chart
+    assert list(chart.multiline.tag) == ["^gradients/loss_scale$"]
+    skipped = {c.title: list(c.multiline.tag) for c in layout.category[0].chart}
+    assert skipped[
+        "Non-finite steps (1: NaN or inf) and steps skipped by the loss scale"
+    ] == ["^gradients/nonfinite$", "^gradients/skipped_steps$"]
     loaded = [np.load(f) for f in snapshot.files]
     assert [float(d["loss_scale"]) for d in loaded] == [8.0, 4.0, 4.0]
     assert loaded[0]["dense_0/kernel"].dtype == np.float32  # as the optimizer gets it
