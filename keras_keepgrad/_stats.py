@@ -14,6 +14,13 @@ gradients already are, and shared:
 The training step calls `record` once, with the `{path: kept gradient}` it
 just stored. When no callback asked, `record` adds no op to the step.
 
+In the step the sums are float32 only, with no conditional (a conditional
+costs more than the sums on a small model): a sum that overflows float32
+reads inf like a gradient holding inf. Readers that must tell them apart
+look again where a value is not finite, which is rare: the callbacks sum
+the slots in float64 (`_grad_stats.LatestNorms`), `NonFiniteGradients`
+checks the entries.
+
 The vector lives in a plain `tf.Variable` held by a `_Holder` on the model,
 not tracked by Keras nor `tf.train.Checkpoint` (as the gradient slots are):
 never in `model.weights`, checkpoints or saved files.
