@@ -172,3 +172,25 @@ def test_an_overflowing_sum_is_not_taken_for_nan(tmp_path):
 def test_sum_squares_without_the_exact_pass_reads_overflow_as_inf():
     squares = _stats.sum_squares([tf.constant([3e19]), tf.constant([2.0])], exact=False)
     assert squares.numpy().tolist() == [np.inf, 4.0]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_sparse_gradients_are_summed_before_squaring(jit):
+    # Embedding(5, 3) of ones, Flatten, Dense(1) of ones, mse, y = 0.
+    # x = [[1, 1], [2, 3]]: both predictions are 6, so each output's error
+    # gradient is 2 * 6 / 2 = 6. d/kernel: 6 * the flattened embeddings
+    # (all ones) summed over the 2 samples = 12 per entry, 6 entries:
+    # 6 * 144 = 864. d/embeddings: row 1 gets 6 from each of its two
+    # positions in sample 1 (12 per entry, duplicates summed), rows 2 and 3
+    # get 6: 3 * 144 + 2 * 3 * 36 = 648.
+    inputs = keras.Input((2,), dtype="int32")
+    h = keras.layers.Embedding(5, 3, embeddings_initializer="ones", name="emb")(inputs)
+    outputs = keras.layers.Dense(
+        1, kernel_initializer="ones", use_bias=False, name="d"
+    )(keras.layers.Flatten()(h))
+    model = kg.KeepGradModel(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", jit_compile=jit)
+    seen = Squares()
+    model.fit(np.array([[1, 1], [2, 3]], "int32"), np.zeros((2, 1), "float32"),
+              batch_size=2, verbose=0, callbacks=[kg.callbacks.GradientMonitor(), seen])
+    assert seen.seen == [(1, ("emb/embeddings", "d/kernel"), [648.0, 864.0])]
