@@ -27,6 +27,7 @@ never in `model.weights`, checkpoints or saved files.
 """
 
 import threading
+import weakref
 
 import tensorflow as tf
 
@@ -118,8 +119,8 @@ def _layer_index(paths, layer_order=None):
 _latest = threading.local()
 
 
-def _same(a, b):
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+def _same(refs, tensors):
+    return len(refs) == len(tensors) and all(r() is t for r, t in zip(refs, tensors))
 
 
 def shared_squares(grads_by_path):
@@ -129,14 +130,19 @@ def shared_squares(grads_by_path):
     same gradient tensors gets the same tensor: `record` and each gradient
     metric share one computation. Tensors are matched by identity, so a
     step whose gradients differ (another trace, all-reduced copies) never
-    gets another step's values.
+    gets another step's values; a tensor that no longer exists matches
+    nothing.
     """
     tensors = tuple(grads_by_path.values())
     latest = getattr(_latest, "value", None)
     if latest is not None and _same(latest[0], tensors):
-        return latest[1]
+        squares = latest[1]()
+        if squares is not None:
+            return squares
     squares = sum_squares(list(tensors), exact=False)
-    _latest.value = (tensors, squares)
+    # Weak references: the cache keeps no step's gradients (nor a traced
+    # graph) alive.
+    _latest.value = ([weakref.ref(t) for t in tensors], weakref.ref(squares))
     return squares
 
 

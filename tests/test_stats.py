@@ -141,6 +141,14 @@ def test_metrics_and_statistics_share_one_computation():
     other = {"a/kernel": tf.constant([3.0, 4.0])}
     assert _stats.shared_squares(other) is not first  # other tensors
     assert first.numpy().tolist() == [25.0]
+    # The cache holds no strong reference: the gradients can be freed.
+    import gc
+    import weakref
+
+    ref = weakref.ref(other["a/kernel"])
+    del other
+    gc.collect()
+    assert ref() is None
 
 
 def test_an_overflowing_sum_is_not_taken_for_nan(tmp_path):
