@@ -16,9 +16,11 @@ import numpy as np
 import tensorflow as tf
 
 from keras_keepgrad import _capture
+from keras_keepgrad import _stats
 
 __all__ = [
     "GradientNorms",
+    "LatestNorms",
     "StepCounter",
     "check_frequency",
     "check_non_negative_int",
@@ -43,32 +45,18 @@ def layer_of(path):
     return head if sep else path
 
 
-def _squares(grad, dtype):
-    # `l2_loss` (sum of squares / 2) is one fused kernel, no squared copy.
-    return 2.0 * tf.nn.l2_loss(tf.cast(grad, dtype))
-
-
 @tf.function(autograph=False)
 def _sum_squares(grads):
     """float64 `[len(grads)]`: each gradient's sum of squares.
 
-    One dispatch for all variables (per-variable eager ops would cost more
-    than the reductions), module-level so that every callback on the same
-    model reuses one trace; `GradientNorms` calls its concrete function,
-    which skips the argument matching of each `tf.function` call. Summed in
-    float32 (float64 gradients in float64); only if that overflows or meets
-    a NaN or inf, everything is summed again
-    in float64, where a sum is non-finite exactly when an element is (up to
-    float64 gradients above ~1e154).
+    As `_stats.step_statistics` computes it in the step, for reading the
+    slots between steps. One dispatch for all variables (per-variable eager
+    ops would cost more than the reductions), module-level so that every
+    callback on the same model reuses one trace; `GradientNorms` calls its
+    concrete function, which skips the argument matching of each
+    `tf.function` call.
     """
-    fast = tf.stack(
-        [_squares(g, tf.float64 if g.dtype == tf.float64 else tf.float32) for g in grads]
-    )
-    return tf.cond(
-        tf.reduce_all(tf.math.is_finite(fast)),
-        lambda: tf.cast(fast, tf.float64),
-        lambda: tf.stack([_squares(g, tf.float64) for g in grads]),
-    )
+    return _stats.sum_squares(list(grads))
 
 
 class StepNorms:
@@ -123,17 +111,66 @@ class GradientNorms:
             squares = self._concrete(tensors).numpy()
         else:
             squares = np.zeros((0,), np.float64)
-        var_nonfinite = ~np.isfinite(squares)
+        return self.from_squares(squares)
+
+    def from_squares(self, squares):
+        """Returns the `StepNorms` of each variable's sum of squares."""
+        squares = np.asarray(squares, np.float64)
         n_layers = len(self.layers)
-        layer_squares = np.zeros(n_layers, np.float64)
-        np.add.at(layer_squares, self._layer_index, squares)
-        layer_nonfinite = np.zeros(n_layers, bool)
-        np.logical_or.at(layer_nonfinite, self._layer_index, var_nonfinite)
+        with np.errstate(invalid="ignore"):
+            layer_squares = np.bincount(self._layer_index, weights=squares, minlength=n_layers)
+        var_nonfinite = ~np.isfinite(squares)
+        layer_nonfinite = (
+            np.bincount(self._layer_index, weights=var_nonfinite, minlength=n_layers) > 0
+        )
         return StepNorms(
             np.sqrt(layer_squares),
             float(np.sqrt(np.sum(squares))),
             layer_nonfinite,
         )
+
+
+class LatestNorms:
+    """A callback's view of each new step's norms.
+
+    Reads the statistics the training step recorded (`_stats.read`: one
+    small vector) when they describe a step this reader has not seen, else
+    the kept gradients themselves (a step that does not record, e.g. under
+    a `tf.distribute` strategy whose slots hold per-replica parts).
+
+    Args:
+        model: The `KeepGradModel`, at `on_train_begin`.
+    """
+
+    def __init__(self, model):
+        self.norms = GradientNorms(trainable_paths(model))
+        self._seen = _stats.count(model)
+
+    @property
+    def paths(self):
+        return self.norms.paths
+
+    @property
+    def layers(self):
+        return self.norms.layers
+
+    def read(self, model, logs=None):
+        """The `StepNorms` of the step the slots hold.
+
+        Args:
+            model: The model.
+            logs: The `on_train_batch_end` logs, so that the callbacks of
+                one batch share one read (`_stats.read`).
+        """
+        found = _stats.read(model, logs)
+        if found is not None:
+            count, paths, squares = found
+            if count > self._seen and paths == self.norms.paths:
+                self._seen = count
+                if np.isfinite(squares).all():
+                    return self.norms.from_squares(squares)
+                # Overflow or NaN/inf: the slots tell them apart (float64).
+        return self.norms(model.get_gradients_by_path())
 
 
 class StepCounter:

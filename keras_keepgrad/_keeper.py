@@ -30,6 +30,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_keepgrad import _capture
+from keras_keepgrad import _stats
 
 __all__ = [
     "GradientKeeper",
@@ -570,6 +571,14 @@ class GradientKeeper:
             )
         self.paths = tuple(kept)
         self.trainable_paths = tuple(trainable)
+        if kept:
+            # The per-layer statistics the callbacks read (if one asked).
+            _stats.record(
+                step.model,
+                {path: step.grads[path] for path in kept},
+                reduced=step.reduced,
+                wrote=step.backend_state.write_now,
+            )
         if self._step is not None:
             self._step.assign_add(1)
 

@@ -11,6 +11,8 @@ import numpy as np
 
 from keras_keepgrad import _checks
 from keras_keepgrad import _grad_stats
+from keras_keepgrad import _stats
+from keras_keepgrad import _tb_panels
 
 __all__ = ["GradientMonitor"]
 
@@ -128,12 +130,18 @@ class GradientMonitor(keras.callbacks.Callback):
         self._steps = _grad_stats.StepCounter()
         self._new = _grad_stats.NewGradients(self)
         self._step = 0
+        self._logs = None
+
+    def set_model(self, model):
+        super().set_model(model)
+        # Before `fit` makes the training function: it records the norms.
+        _stats.require(model)
 
     def on_train_begin(self, logs=None):
         _grad_stats.require_kept_gradients(self.model, "GradientMonitor")
         self._steps.begin_train()
         self._new.begin(self.model)
-        self._norms = _grad_stats.GradientNorms(_grad_stats.trainable_paths(self.model))
+        self._norms = _grad_stats.LatestNorms(self.model)
         n_layers = len(self._norms.layers)
         self._below = np.zeros(n_layers, np.int64)
         self._vanished = np.zeros(n_layers, bool)
@@ -146,6 +154,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self._steps.begin_epoch(epoch)
 
     def on_train_batch_end(self, batch, logs=None):
+        self._logs = logs if isinstance(logs, dict) else None
         previous = self._steps.end_batch(batch, self.params)
         if not self._norms.paths or not _grad_stats.crossed(
             previous, self._steps.step, self.check_freq
@@ -154,7 +163,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self._step = self._new.step_of(self.model, self._steps.step)
         if self._step is None:
             return  # `keep_every`: nothing kept since the last check
-        norms = self._norms(self.model.get_gradients_by_path())
+        norms = self._norms.read(self.model, self._logs)
         if self.check_nonfinite:
             self._check_nonfinite(norms)
         if self.vanishing_threshold is not None:
@@ -258,6 +267,8 @@ class GradientMonitor(keras.callbacks.Callback):
             }
         )
         if self.action == "raise":
+            # `fit` ends without `on_train_end`: write the buffered panels.
+            _tb_panels.flush_all()
             raise RuntimeError(f"GradientMonitor: {message}")
         if self.action == "stop":
             warnings.warn(f"GradientMonitor: {message} Stopping training.", stacklevel=3)

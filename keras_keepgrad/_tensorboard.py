@@ -4,17 +4,24 @@ Conventions for steps and layers: see `keras_keepgrad.callbacks`.
 """
 
 import os
+import time
 import warnings
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_keepgrad import _checks
 from keras_keepgrad import _grad_stats
+from keras_keepgrad import _stats
 from keras_keepgrad import _tb_panels
 
 __all__ = ["GradientTensorBoard"]
+
+# The heatmap figure may take at most this share of a `fit`'s time, except
+# at its last epoch (see `GradientTensorBoard._heatmap_due`).
+_HEATMAP_SHARE = 0.02
 
 
 class GradientTensorBoard(keras.callbacks.TensorBoard):
@@ -27,6 +34,11 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
       and `gradients/global_norm`, the norm over all of them; every
       `update_freq` batches (with `"epoch"`: at each epoch end, from the
       epoch's last batch), at the training-batch step.
+    - `log10_grad_norm/<NN>_<layer>` and `log10_grad_norm/global`: the same
+      norms as log10 (-6 reads 1e-6, where a linear value table shows 0),
+      `NN` the layer's position in forward order, so that TensorBoard's
+      alphabetical order is forward order. NaN at a non-finite step, which
+      TensorBoard's charts mark with a triangle.
     - `gradients/nonfinite`: 1.0 where that step's gradients hold a NaN or
       an infinity, else 0.0. Under a `keras.optimizers.LossScaleOptimizer`
       also `gradients/skipped_steps` (the steps it skipped since `fit`
@@ -34,27 +46,44 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
       describing the optimizer when they are written: at the current
       training-batch step, which under `keep_every` can be later than the
       kept step the norms are labelled with.
-    - `gradients/histogram/<variable path>`: histograms of the gradients of
-      the epoch's last batch (its finite values), every `histogram_freq`
-      epochs, at the epoch step, beside Keras's weight histograms.
+    - `<variable path>/gradient`: histograms of the finite gradient values,
+      beside Keras's `<variable path>/histogram` of the weights (the same
+      TensorBoard category); every `histogram_freq` epochs from the epoch's
+      last batch, at the epoch step, or with `gradient_histogram_freq=N`
+      every N training batches, at the batch step. Where the gradient held
+      NaN or inf, also `<variable path>/gradient_nonfinite`: -1 per -inf
+      entry, 0 per NaN, +1 per +inf (an all-non-finite step leaves the
+      gradient slice empty; this marks it).
     - `gradients/heatmap`: at each epoch end once a step was recorded
-      (with an integer `update_freq`, not before that many steps), an
-      image of log10 layer norms,
-      layers (rows, forward order) by recorded steps (columns), for the
-      whole run so far: at most 1024 columns, each the geometric mean of
-      the same number of recorded steps (doubled as the run grows; the last
-      column may hold fewer).
-    - A custom-scalars layout, "Gradient panels": per-layer norms in one
-      multiline chart, the global norm, non-finite and skipped steps (and
-      the loss scale under a `LossScaleOptimizer`).
+      (with an integer `update_freq`, not before that many steps; drawing
+      takes about 0.2 s, so in a `fit` of many short epochs only while that
+      stays under 2% of the training time, and always at the last epoch or
+      when `fit` stops early), a figure of log10 layer norms: layers (rows, forward order, named) by
+      training step, for the whole run so far, with a color bar over the
+      5th to 95th percentile of the norms (a short spike cannot wash out
+      the rest; beyond are the end colors), zero black and NaN/inf red
+      (named in its legend), a dashed line at the first non-finite step,
+      and each layer's last norm on the right. At most 1024 columns, each
+      the geometric mean of the same number of recorded steps (doubled as
+      the run grows; the last column may hold fewer).
+    - A custom-scalars layout, "Gradient panels": the global log10 norm,
+      non-finite (and skipped) steps, and one chart per layer, titled with
+      its position and name; under a `LossScaleOptimizer` also a category
+      "Gradient panels: loss scale".
+
+    Frequent scalars (and Keras's own batch logs, same tags and steps) are
+    written through one buffered writer: at most 1 s or 256 rows late, and
+    always at each epoch end, when `fit` ends, at once for a step with a
+    non-finite value, and before `GradientMonitor(action="raise")` raises.
+    An error raised elsewhere can leave up to 1 s of rows unwritten.
 
     Layers are variable paths minus their last component; see the module
     docstring, also for steps under `steps_per_execution`.
 
-    Cost: with `update_freq="epoch"` the gradients are read once per epoch.
-    With an integer `update_freq` each recorded step reads all gradients and
-    writes one scalar per layer, so a larger `update_freq` divides the cost
-    (measured in `benchmarks/tensorboard_overhead.py`).
+    Cost: the norms come from statistics the training step computes once
+    (`keras_keepgrad._stats`) and this callback reads as one small vector
+    per recorded step; see `benchmarks/per_batch_overhead.py` and
+    `benchmarks/tensorboard_overhead.py`. Histograms read every gradient.
 
     Args:
         log_dir: Str or path. The directory to write to, as for
@@ -66,11 +95,15 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             `"epoch"`.
         write_heatmap: Bool. Write the heatmap image at each epoch end.
             Defaults to `True`.
+        gradient_histogram_freq: None or a positive int. With an int, write
+            the gradient histograms every this many training batches
+            instead of with the weight histograms. Defaults to `None`.
         **kwargs: Passed on to `keras.callbacks.TensorBoard`
             (`write_graph`, `write_images`, `profile_batch`, ...).
 
     Raises:
-        ValueError: On an invalid `update_freq` or `histogram_freq`; when
+        ValueError: On an invalid `update_freq`, `histogram_freq` or
+            `gradient_histogram_freq`; when
             `log_dir` is not writable, or the model was built with
             `keep_gradients=False` (both at the start of `fit`).
         TypeError: The model is not a `KeepGradModel` (at the start of `fit`).
@@ -92,10 +125,15 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         histogram_freq: int = 0,
         update_freq: str | int = "epoch",
         write_heatmap: bool = True,
+        gradient_histogram_freq: int | None = None,
         **kwargs: Any,
     ) -> None:
         update_freq = _grad_stats.check_frequency("update_freq", update_freq)
         histogram_freq = _grad_stats.check_non_negative_int("histogram_freq", histogram_freq)
+        if gradient_histogram_freq is not None:
+            gradient_histogram_freq = _grad_stats.check_frequency(
+                "gradient_histogram_freq", gradient_histogram_freq, allow_epoch=False
+            )
         super().__init__(
             log_dir=log_dir,
             histogram_freq=histogram_freq,
@@ -103,6 +141,9 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             **kwargs,
         )
         self.write_heatmap = _checks.check_bool("write_heatmap", write_heatmap)
+        self.gradient_histogram_freq = gradient_histogram_freq
+        self._batch_logs = None
+        self._logs = None  # this batch's, for `_stats.read`
         self._steps = _grad_stats.StepCounter()
         self._new = _grad_stats.NewGradients(self)
         self._norms = None
@@ -114,14 +155,20 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         # Fail at `fit`'s start with a clear message, not from the writer.
         _grad_stats.check_writable_dir(os.path.join(self.log_dir, "train"), "log_dir", self.log_dir)
         super().set_model(model)
+        # Before `fit` makes the training function: it records the norms.
+        _stats.require(model)
 
     def on_train_begin(self, logs=None):
         _grad_stats.require_kept_gradients(self.model, "GradientTensorBoard")
         super().on_train_begin(logs)
         self._steps.begin_train()
         self._new.begin(self.model)
-        self._norms = _grad_stats.GradientNorms(_grad_stats.trainable_paths(self.model))
+        self._norms = _grad_stats.LatestNorms(self.model)
         self._heatmap = _tb_panels.Heatmap()
+        self._train_began = time.monotonic()
+        self._heatmap_seconds = 0.0  # spent drawing it in this `fit`
+        self._heatmap_last = 0.2  # seconds the last figure took
+        self._heatmap_pending = None  # an epoch whose figure was skipped
         optimizer = self.model.optimizer
         self._loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         # The inner optimizer's iterations only advance on applied steps; under
@@ -131,8 +178,10 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         )
         self._iterations_at_begin = int(optimizer.iterations.numpy()) if self._count_skipped else 0
         traced = self.update_freq != "epoch"
-        tags = [_tb_panels.layer_norm_tag(layer) for layer in self._norms.layers]
+        layers = self._norms.layers
+        tags = [_tb_panels.layer_norm_tag(layer) for layer in layers]
         tags += [_tb_panels.GLOBAL_NORM_TAG, _tb_panels.NONFINITE_TAG]
+        tags += _tb_panels.log10_norm_tags(layers) + [_tb_panels.LOG10_GLOBAL_TAG]
         self._scalars = _tb_panels.ScalarWriter(self._train_writer, tags, traced=traced)
         # The optimizer's scalars describe it now, not the kept step (which
         # under `keep_every` may be older): a writer of their own.
@@ -146,9 +195,27 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             if optimizer_tags
             else None
         )
+        self._batch_logs = None
+        self._histogram_step = None
         if not self._layout_written:
             self._guarded(self._write_layout)
             self._layout_written = True
+
+    def _scalar_writers(self):
+        return [
+            w for w in (self._scalars, self._optimizer_scalars, self._batch_logs) if w is not None
+        ]
+
+    def _flush_scalars(self):
+        for writer in self._scalar_writers():
+            writer.flush()
+
+    def on_train_end(self, logs=None):
+        # Before Keras closes the writers.
+        self._guarded(self._flush_scalars)
+        if self._heatmap_pending is not None:  # stopped before the last epoch
+            self._guarded(self._write_heatmap, self._heatmap_pending)
+        super().on_train_end(logs)
 
     def on_epoch_begin(self, epoch, logs=None):
         super().on_epoch_begin(epoch, logs)
@@ -156,12 +223,41 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self._epoch_first_step = self._steps.step
 
     def on_train_batch_end(self, batch, logs=None):
-        super().on_train_batch_end(batch, logs)
+        # Keras writes each batch log with an eager `tf.summary.scalar`; the
+        # same tags, steps and values go through one buffered writer here
+        # (`_write_batch_logs`), the rest of Keras's batch work as it is.
+        super().on_train_batch_end(batch, None)
+        self._logs = logs if isinstance(logs, dict) else None
+        if isinstance(logs, dict) and self.update_freq != "epoch":
+            self._guarded(self._write_batch_logs, logs)
         previous = self._steps.end_batch(batch, self.params)
         if self.update_freq != "epoch" and _grad_stats.crossed(
             previous, self._steps.step, self.update_freq
         ):
             self._guarded(self._record)
+        if self.gradient_histogram_freq is not None and _grad_stats.crossed(
+            previous, self._steps.step, self.gradient_histogram_freq
+        ):
+            step = self._new_histogram_step()
+            if step is not None:
+                self._guarded(self._write_histograms, step)
+
+    def _write_batch_logs(self, logs):
+        # As Keras 3.15: at its execution count, when it is a multiple of
+        # `update_freq`.
+        step = self._global_train_batch
+        if step % self.update_freq:
+            return
+        names = tuple(logs)
+        if self._batch_logs is None or self._batch_names != names:
+            if self._batch_logs is not None:
+                self._batch_logs.flush()
+            self._batch_names = names
+            self._batch_logs = _tb_panels.ScalarWriter(
+                self._train_writer, [f"batch_{n}" for n in names], traced=True
+            )
+        values = [float(np.asarray(logs[n])) for n in names]
+        self._batch_logs.write(step, values, now=not np.isfinite(values).all())
 
     def on_epoch_end(self, epoch, logs=None):
         # Keras 3.15 leaves its batch-level `record_if` (counting executions)
@@ -172,14 +268,36 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         if self._steps.step == 0:
             return
         if self.update_freq == "epoch" and self._steps.step > self._epoch_first_step:
+            self._logs = None
             self._guarded(self._record)
+        self._guarded(self._flush_scalars)
         if not self._norms.paths:
             return  # No trainable variables: no gradients to draw.
-        if self.histogram_freq and epoch % self.histogram_freq == 0:
+        if (
+            self.gradient_histogram_freq is None
+            and self.histogram_freq
+            and epoch % self.histogram_freq == 0
+        ):
             self._guarded(self._write_histograms, epoch)
         if self.write_heatmap and self._heatmap.columns:
-            self._guarded(self._write_heatmap, epoch)
+            if self._heatmap_due(epoch):
+                self._guarded(self._write_heatmap, epoch)
+            else:
+                self._heatmap_pending = epoch
         self._guarded(self._train_writer.flush)
+
+    def _heatmap_due(self, epoch):
+        """Whether to draw the figure at this epoch's end.
+
+        Drawing it takes about 0.2 s. In a `fit` of many short epochs it is
+        drawn only while that keeps below `_HEATMAP_SHARE` of the training
+        time, and always at the last epoch (or when `fit` ends early).
+        """
+        last = epoch + 1 >= (self.params or {}).get("epochs", epoch + 1)
+        elapsed = time.monotonic() - self._train_began
+        # The next figure is expected to cost what the last one did.
+        expected = self._heatmap_seconds + self._heatmap_last
+        return last or expected <= _HEATMAP_SHARE * elapsed
 
     def _guarded(self, fn, *args):
         # A TensorBoard problem is warned about once, never raised mid-`fit`.
@@ -200,7 +318,9 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             from keras_keepgrad import _dynamics
 
             charts = _dynamics.tensorboard_charts(self.model)
-            if not _tb_panels.write_layout(self._loss_scaled, charts):
+            if not _tb_panels.write_layout(
+                self._norms.layers, self._loss_scaled, self._count_skipped, charts
+            ):
                 warnings.warn(
                     "The `tensorboard` package is not installed: "
                     "GradientTensorBoard writes no custom-scalars layout.",
@@ -213,9 +333,15 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         step = self._new.step_of(self.model, self._steps.step)
         if step is None:
             return  # `keep_every`: nothing kept since the last record
-        norms = self._norms(self.model.get_gradients_by_path())
-        values = list(norms.layer_norms) + [norms.global_norm, float(norms.nonfinite)]
-        self._scalars.write(step, values)
+        norms = self._norms.read(self.model, self._logs)
+        layer_norms = np.asarray(norms.layer_norms, np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logs = np.log10(np.append(layer_norms, norms.global_norm))
+        # A non-finite layer reads NaN in both views (its norm may be inf).
+        logs[:-1][norms.layer_nonfinite] = np.nan
+        values = list(layer_norms) + [norms.global_norm, float(norms.nonfinite)]
+        # A non-finite step is written at once: an error may end `fit` next.
+        self._scalars.write(step, values + list(logs), now=norms.nonfinite)
         self._heatmap.add(step, norms.layer_norms)
         if self._optimizer_scalars is not None:
             now = self._steps.step
@@ -228,21 +354,47 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
                 values.append(now - applied)
             self._optimizer_scalars.write(now, values)
 
-    def _write_histograms(self, epoch):
+    def _new_histogram_step(self):
+        """The step of the kept gradients, or None if already drawn."""
+        keeper = self.model._keeper
+        _, age = (None, 0) if keeper is None else keeper.last_write()
+        step = self._steps.step - age
+        if step == self._histogram_step:
+            return None
+        self._histogram_step = step
+        return step
+
+    def _write_histograms(self, step):
         grads = self.model.get_gradients_by_path()
         with self._train_writer.as_default(), tf.summary.record_if(True):
             for path, grad in grads.items():
+                values = tf.reshape(grad, [-1])
+                finite = tf.math.is_finite(values)
+                all_finite = bool(tf.reduce_all(finite))
                 tf.summary.histogram(
                     _tb_panels.histogram_tag(path),
-                    _tb_panels.finite_values(grad),
-                    step=epoch,
+                    values if all_finite else tf.boolean_mask(values, finite),
+                    step=step,
+                    description=_tb_panels.HISTOGRAM_DESCRIPTION,
                 )
+                if not all_finite:
+                    tf.summary.histogram(
+                        _tb_panels.nonfinite_histogram_tag(path),
+                        _tb_panels.nonfinite_kinds(values),
+                        step=step,
+                        description=_tb_panels.NONFINITE_HISTOGRAM_DESCRIPTION,
+                    )
 
     def _write_heatmap(self, epoch):
+        start = time.monotonic()
+        self._heatmap_pending = None
+        image = _tb_panels.render_heatmap(self._heatmap, self._norms.layers)
+        self._heatmap_last = time.monotonic() - start
+        self._heatmap_seconds += self._heatmap_last
         with self._train_writer.as_default(), tf.summary.record_if(True):
             tf.summary.image(
                 _tb_panels.HEATMAP_TAG,
-                self._heatmap.image(),
+                image,
                 step=epoch,
                 description=_tb_panels.HEATMAP_DESCRIPTION,
             )

@@ -1,9 +1,14 @@
 """Callbacks that read the kept gradients: TensorBoard panels, alarms, files.
 
-All three read `model.get_gradients_by_path()` between training steps (never
-inside `train_step`: a `tf.summary` call traced into the step function would
+All three read the kept gradients between training steps (never inside
+`train_step`: a `tf.summary` call traced into the step function would
 freeze its step and `record_if` at trace time), so they need a model that
-keeps gradients (`KeepGradModel` or `keep_gradients(model)`).
+keeps gradients (`KeepGradModel` or `keep_gradients(model)`). For norms,
+`GradientTensorBoard` and `GradientMonitor` read statistics the training
+step computed once (each variable's sum of squares, one small vector;
+they ask for it when Keras hands them the model, before `fit` makes the
+training function), and the gradients themselves only for histograms,
+snapshots, or where a value is not finite.
 
 Steps. A callback's step is the number of training batches run since `fit`
 began. With `steps_per_execution=N` Keras calls back once per execution: the

@@ -29,6 +29,7 @@ from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _grad_stats
 from keras_keepgrad import _keeper
+from keras_keepgrad import _stats
 
 __all__ = [
     "GradientCosine",
@@ -67,6 +68,16 @@ def _norm(tensors):
     if not tensors:
         return tf.constant(0.0)
     return tf.sqrt(_sum_of_squares(tensors))
+
+
+def _sqrt32(sum_of_squares):
+    return tf.cast(tf.sqrt(sum_of_squares), tf.float32)
+
+
+def _layer_squares(grads, squares):
+    """`{layer: its sum of squares}` from each variable's, in variable order."""
+    positions = _group_by_layer({p: i for i, p in enumerate(grads)})
+    return {layer: tf.add_n([squares[i] for i in indices]) for layer, indices in positions.items()}
 
 
 class _Holder:
@@ -422,10 +433,13 @@ class GradientNorm(_PerLayerMixin, GradientMetric):
         super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
 
     def _step_values(self, grads):
-        dense = {p: _float32(g) for p, g in grads.items()}
-        if self.per_layer:
-            return self._per_layer(_group_by_layer(dense), _norm)
-        return {self.name: _norm(list(dense.values()))}
+        # The step's sums of squares, shared with the other norm metrics
+        # and the callbacks' statistics (`_stats`).
+        squares = _stats.shared_squares(grads)
+        if not self.per_layer:
+            return {self.name: _sqrt32(tf.reduce_sum(squares))}
+        layers = _layer_squares(grads, squares)
+        return {f"{self.name}/{layer}": _sqrt32(s) for layer, s in layers.items()}
 
     def get_config(self):
         config = super().get_config()
@@ -482,8 +496,17 @@ class NonFiniteGradients(GradientMetric):
         super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
 
     def _step_values(self, grads):
-        finite = [tf.reduce_all(tf.math.is_finite(_float32(g))) for g in grads.values()]
-        all_finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
+        # A finite sum of squares has finite entries; a non-finite one may
+        # be a float32 overflow, which the entries themselves tell apart.
+        squares = _stats.shared_squares(grads)
+
+        def entries_finite():
+            finite = [tf.reduce_all(tf.math.is_finite(_float32(g))) for g in grads.values()]
+            return tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
+
+        all_finite = tf.cond(
+            tf.reduce_all(tf.math.is_finite(squares)), lambda: tf.constant(True), entries_finite
+        )
         return {self.name: 1.0 - tf.cast(all_finite, tf.float32)}
 
 
@@ -531,10 +554,10 @@ class VanishingGradients(GradientMetric):
         super().__init__(fn=None, name=name, reduction=reduction, **kwargs)
 
     def _step_values(self, grads):
-        groups = _group_by_layer({p: _float32(g) for p, g in grads.items()})
-        if not groups:
+        if not grads:
             return {self.name: tf.constant(0.0)}
-        small = [tf.cast(_norm(ts) < self.threshold, tf.float32) for ts in groups.values()]
+        layers = _layer_squares(grads, _stats.shared_squares(grads))
+        small = [tf.cast(_sqrt32(s) < self.threshold, tf.float32) for s in layers.values()]
         return {self.name: tf.add_n(small) / float(len(small))}
 
     def get_config(self):

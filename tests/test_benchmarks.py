@@ -336,3 +336,38 @@ def test_a_process_of_processes_times_only_itself_whatever_the_spelling():
         assert args.processes == 1, argv
         assert args.out == "p.json", argv
         assert args.smoke and args.no_memory and args.no_ops, argv
+
+
+def test_per_batch_overhead_smoke_reports_paired_ratios(tmp_path):
+    out = tmp_path / "per_batch.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "per_batch_overhead.py"),
+            "--smoke",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| model | params | batch | keras ms/step | kept / keras | all / keras " in proc.stdout
+    results = json.loads(out.read_text())
+    assert results["smoke"] is True
+    by_model = {r["model"]: r for r in results["results"]}
+    # Smoke sizes: Dense(8->4) + Dense(4->1) = 36 + 5; Dense(16->32) +
+    # Dense(32->10) = 544 + 330.
+    assert by_model["tiny"]["params"] == 41 and by_model["mlp_1m"]["params"] == 874
+    for r in by_model.values():
+        assert r["rounds"] == 2 and r["steps"] == 6
+        for measure in ("seconds", "cpu_seconds"):
+            assert set(r[measure]) == {"keras", "kept", "all"}
+            assert all(len(t) == 2 and min(t) > 0 for t in r[measure].values())
+        for key in ("ratios", "cpu_ratios"):
+            # Every ratio is against the same round's `keras` time.
+            assert r[key]["keras"] == {"median": 1.0, "q25": 1.0, "q75": 1.0}
+            assert r[key]["all"]["median"] > 0

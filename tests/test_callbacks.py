@@ -122,15 +122,124 @@ def test_tensorboard_norms_are_the_kept_gradients_norms(hand_run):
     assert "gradients/loss_scale" not in acc.Tags()["tensors"]
 
 
-def test_tensorboard_histograms_hold_the_epoch_last_gradients(hand_run):
+def test_tensorboard_log10_norms_in_forward_order(hand_run):
     log_dir, _ = hand_run
     acc = read_run(os.path.join(log_dir, "train"))
-    assert "dense_0/kernel/histogram" in acc.Tags()["tensors"]  # Keras's weights
-    (event,) = acc.Tensors("gradients/histogram/dense_0/kernel")
-    assert event.step == 0
+    # log10 of the norms 15, 7.5, 3.75, as float32 like every scalar.
+    expected = [
+        (step, float(np.float32(np.log10(v)))) for step, v in [(1, 15.0), (2, 7.5), (3, 3.75)]
+    ]
+    assert scalars(acc, "log10_grad_norm/00_dense_0") == expected
+    assert scalars(acc, "log10_grad_norm/global") == expected
+
+
+def test_log10_tags_number_layers_in_forward_order():
+    layers = [f"layer_{i}" for i in range(12)]
+    tags = _tb_panels.log10_norm_tags(["dense_b", "bn_a", "out"])
+    assert tags == [
+        "log10_grad_norm/00_dense_b",
+        "log10_grad_norm/01_bn_a",
+        "log10_grad_norm/02_out",
+    ]
+    # Sorting the tags as text (as TensorBoard does) keeps forward order.
+    assert sorted(_tb_panels.log10_norm_tags(layers)) == _tb_panels.log10_norm_tags(layers)
+    assert _tb_panels.log10_norm_tags([f"l{i}" for i in range(101)])[7] == (
+        "log10_grad_norm/007_l7"
+    )
+
+
+def test_tensorboard_histograms_sit_beside_the_weights(hand_run):
+    log_dir, _ = hand_run
+    acc = read_run(os.path.join(log_dir, "train"))
+    tags = acc.Tags()["tensors"]
+    assert "dense_0/kernel/histogram" in tags  # Keras's weights
+    (event,) = acc.Tensors("dense_0/kernel/gradient")
+    assert event.step == 0  # the epoch, as Keras's weight histograms
     buckets = tf.make_ndarray(event.tensor_proto)  # [left, right, count]
     assert buckets[:, 2].sum() == 1.0
     assert buckets[:, 0].min() == 3.75 and buckets[:, 1].max() == 3.75
+    # All finite: no non-finite companion.
+    assert "dense_0/kernel/gradient_nonfinite" not in tags
+    assert not [t for t in tags if t.startswith("gradients/histogram/")]
+
+
+def test_tensorboard_gradient_histograms_every_n_batches(tmp_path):
+    log_dir = str(tmp_path / "logs")
+    x, y = hand_data(3)
+    hand_model().fit(
+        x,
+        y,
+        batch_size=2,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            callbacks.GradientTensorBoard(log_dir, histogram_freq=1, gradient_histogram_freq=2)
+        ],
+    )
+    acc = read_run(os.path.join(log_dir, "train"))
+    # Every 2 batches, at the training-batch step: step 2 holds 7.5. The
+    # epoch histogram of the gradients is not written then (the weights' is).
+    events = acc.Tensors("dense_0/kernel/gradient")
+    assert [e.step for e in events] == [2]
+    buckets = tf.make_ndarray(events[0].tensor_proto)
+    assert buckets[:, 0].min() == 7.5 and buckets[:, 2].sum() == 1.0
+    assert [e.step for e in acc.Tensors("dense_0/kernel/histogram")] == [0]
+
+
+def nan_model_and_data():
+    """The two-layer model; batch 2 (of 3) holds a NaN and an inf input."""
+    model = two_layer_model()
+    x = np.ones((6, 2), np.float32)
+    x[2, 0] = np.nan
+    x[3, 1] = np.inf
+    return model, x, np.zeros((6, 1), np.float32)
+
+
+def test_tensorboard_marks_nonfinite_steps_and_histogram_slices(tmp_path):
+    log_dir = str(tmp_path / "logs")
+    model, x, y = nan_model_and_data()
+    model.fit(
+        x,
+        y,
+        batch_size=2,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            callbacks.GradientTensorBoard(log_dir, update_freq=1, gradient_histogram_freq=1)
+        ],
+    )
+    acc = read_run(os.path.join(log_dir, "train"))
+    assert scalars(acc, "gradients/nonfinite") == [(1, 0.0), (2, 1.0), (3, 1.0)]
+    log10 = scalars(acc, "log10_grad_norm/01_dense_1")
+    assert np.isfinite(log10[0][1]) and np.isnan(log10[1][1]) and np.isnan(log10[2][1])
+    # dense_0's kernel gradient at step 2: 2x3 entries, every one NaN or
+    # inf (an inf input times a finite error is inf, NaN where they meet).
+    # Its histogram slice holds no value; the companion counts all 6.
+    tags = acc.Tags()["tensors"]
+    (event,) = [e for e in acc.Tensors("dense_0/kernel/gradient") if e.step == 2]
+    assert tf.make_ndarray(event.tensor_proto)[:, 2].sum() == 0.0
+    bad = {
+        e.step: tf.make_ndarray(e.tensor_proto)
+        for e in acc.Tensors("dense_0/kernel/gradient_nonfinite")
+    }
+    assert sorted(bad) == [2, 3] and bad[2][:, 2].sum() == 6.0
+    # Step 1 was finite: no companion slice there, a full gradient slice.
+    (first,) = [e for e in acc.Tensors("dense_0/kernel/gradient") if e.step == 1]
+    assert tf.make_ndarray(first.tensor_proto)[:, 2].sum() == 6.0
+    assert "dense_1/bias/gradient_nonfinite" in tags
+    # The heatmap names the first non-finite step: the red NaN color is in it.
+    _, _, png = tf.make_ndarray(acc.Tensors("gradients/heatmap")[0].tensor_proto)
+    image = tf.io.decode_png(png).numpy()
+    assert (image == [255, 0, 0]).all(axis=-1).sum() > 5000
+
+
+def test_nonfinite_histogram_kinds():
+    # -1 for -inf, 0 for NaN, +1 for +inf; finite entries are not counted.
+    assert _tb_panels.nonfinite_kinds(
+        tf.constant([1.0, -np.inf, np.nan, np.inf, np.nan])
+    ).numpy().tolist() == [-1.0, 0.0, 1.0, 0.0]
 
 
 def test_tensorboard_layout_groups_the_gradient_panels(hand_run):
@@ -140,31 +249,60 @@ def test_tensorboard_layout_groups_the_gradient_panels(hand_run):
     acc = read_run(os.path.join(log_dir, "train"))
     (event,) = acc.Tensors("custom_scalars__config__")
     layout = layout_pb2.Layout.FromString(tf.make_ndarray(event.tensor_proto).item())
+    # No loss-scale category without a LossScaleOptimizer.
     (category,) = layout.category
     assert category.title == "Gradient panels"
     charts = {c.title: list(c.multiline.tag) for c in category.chart}
     assert charts == {
-        "Per-layer gradient norms": ["^gradients/layer_norm/"],
-        "Global gradient norm": ["^gradients/global_norm$"],
-        "Non-finite and skipped steps": [
-            "^gradients/nonfinite$",
-            "^gradients/skipped_steps$",
-        ],
+        "Global gradient norm, log10": ["^log10_grad_norm/global$"],
+        "Non-finite steps (1: NaN or inf)": ["^gradients/nonfinite$"],
+        "00 dense_0: gradient norm, log10": ["^log10_grad_norm/00_dense_0$"],
     }
 
 
-def test_tensorboard_heatmap_colors_log_norms(hand_run):
+def test_tensorboard_heatmap_is_a_labelled_figure(hand_run):
     log_dir, _ = hand_run
     acc = read_run(os.path.join(log_dir, "train"))
     (event,) = acc.Tensors("gradients/heatmap")
     width, height, png = tf.make_ndarray(event.tensor_proto)
     image = tf.io.decode_png(png).numpy()
-    # 1 layer x 3 steps, cells of 16 x 16 pixels.
-    assert (int(width), int(height)) == (48, 16) and image.shape == (16, 48, 3)
-    # log10 of 15, 7.5, 3.75 are evenly spaced: viridis top, middle, bottom.
-    assert image[8, 8].tolist() == [253, 231, 37]
-    assert image[8, 24].tolist() == [32, 144, 140]
-    assert image[8, 40].tolist() == [68, 1, 84]
+    # 10 x (2 + 0.32 * 1 layer) inches at 100 dpi.
+    assert (int(width), int(height)) == (1000, 232) and image.shape == (232, 1000, 3)
+    # Finite norms only: the NaN red is only in the legend's small patch
+    # (a NaN cell would be a sixth of the plot, as in the test above).
+    assert (image == [255, 0, 0]).all(axis=-1).sum() < 500
+    # log10 of 15, 7.5, 3.75 span 0.6 decade, widened to 1 about the
+    # middle: neither end color, the middle column near viridis's middle.
+    assert _tb_panels.color_range(np.log10([[15.0, 7.5, 3.75]])) == pytest.approx(
+        (np.log10(7.5) - 0.5, np.log10(7.5) + 0.5)
+    )
+
+
+def test_heatmap_color_range_ignores_a_spike():
+    # 34 healthy steps near 1e-2 and one spike of 2.9e8 in each of 3
+    # layers (1 in 35 cells): the 95th percentile stays below the spike,
+    # so the healthy cells keep the color scale.
+    logs = np.full((3, 35), -2.0)
+    logs[:, :34] += np.linspace(-1.0, 1.0, 34)  # -3 .. -1
+    logs[:, 34] = np.log10(2.9e8)
+    low, high = _tb_panels.color_range(logs)
+    finite = np.sort(logs.ravel())
+    assert low == pytest.approx(np.percentile(finite, 5))
+    assert high == pytest.approx(np.percentile(finite, 95)) and high < -1.0
+    # Zeros (-inf) and NaN are left out; nothing finite: a unit range.
+    assert _tb_panels.color_range([[-np.inf, np.nan, 1.0, 3.0]]) == pytest.approx((1.1, 2.9))
+    assert _tb_panels.color_range([[np.nan]]) == (-0.5, 0.5)
+
+
+def test_heatmap_column_edges_and_first_nonfinite():
+    # Columns end at steps 4, 8, 10: they cover (0, 4], (4, 8], (8, 10].
+    assert _tb_panels.column_edges([4, 8, 10]).tolist() == [0.0, 4.0, 8.0, 10.0]
+    assert _tb_panels.column_edges([7]).tolist() == [6.0, 7.0]
+    columns = np.array([[1.0, 1.0], [1.0, 1.0], [np.nan, 1.0], [np.inf, np.nan]])
+    assert _tb_panels.first_nonfinite(columns, [1, 2, 3, 4]) == (3, 0)
+    columns[2, 0] = 1.0
+    assert _tb_panels.first_nonfinite(columns, [1, 2, 3, 4]) == (4, 0)
+    assert _tb_panels.first_nonfinite(np.ones((2, 2)), [1, 2]) is None
 
 
 def test_heatmap_marks_zero_and_nonfinite_and_merges_columns_evenly():
@@ -265,20 +403,24 @@ def test_tensorboard_server_serves_the_gradient_panels(hand_run, tmp_path):
             "gradients/layer_norm/dense_0",
             "gradients/global_norm",
             "gradients/nonfinite",
+            "log10_grad_norm/00_dense_0",
+            "log10_grad_norm/global",
         } <= set(scalar_tags["train"])
         histogram_tags = get("/data/plugin/histograms/tags")
-        assert "gradients/histogram/dense_0/kernel" in histogram_tags["train"]
+        assert {"dense_0/kernel/gradient", "dense_0/kernel/histogram"} <= set(
+            histogram_tags["train"]
+        )
         layout = get("/data/plugin/custom_scalars/layout")
         (category,) = layout["category"]
         assert category["title"] == "Gradient panels"
-        per_layer = category["chart"][0]["multiline"]["tag"][0]
-        # The panel's pattern picks exactly the per-layer norms.
+        per_layer = category["chart"][2]["multiline"]["tag"][0]
+        # The layer's panel picks exactly its log10 norm.
         matched = get(
             "/data/plugin/custom_scalars/scalars?run=train&tag=" + urllib.request.quote(per_layer)
         )
-        assert list(matched["tag_to_events"]) == ["gradients/layer_norm/dense_0"]
-        values = [e[2] for e in matched["tag_to_events"]["gradients/layer_norm/dense_0"]]
-        assert values == [15.0, 7.5, 3.75]
+        assert list(matched["tag_to_events"]) == ["log10_grad_norm/00_dense_0"]
+        values = [e[2] for e in matched["tag_to_events"]["log10_grad_norm/00_dense_0"]]
+        assert values == [float(np.float32(np.log10(v))) for v in (15.0, 7.5, 3.75)]
     finally:
         server.terminate()
         try:
@@ -360,6 +502,22 @@ def test_mixed_precision_skipped_step_panels_and_snapshot(tmp_path, mixed_float1
     assert scalars(acc, "gradients/nonfinite") == [(1, 0.0), (2, 1.0), (3, 0.0)]
     assert scalars(acc, "gradients/skipped_steps") == [(1, 0.0), (2, 1.0), (3, 1.0)]
     assert scalars(acc, "gradients/loss_scale") == [(1, 8.0), (2, 4.0), (3, 4.0)]
+    # The NaN step's log10 norms are NaN (TensorBoard marks them).
+    log10 = scalars(acc, "log10_grad_norm/00_dense_0")
+    assert log10[0] == (1, float(np.float32(np.log10(15.0)))) and np.isnan(log10[1][1])
+    # The loss scale has its own category, only in this run's layout.
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    (event,) = acc.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(tf.make_ndarray(event.tensor_proto).item())
+    assert [c.title for c in layout.category] == ["Gradient panels", "Gradient panels: loss scale"]
+    (chart,) = layout.category[1].chart
+    assert list(chart.multiline.tag) == ["^gradients/loss_scale$"]
+    skipped = {c.title: list(c.multiline.tag) for c in layout.category[0].chart}
+    assert skipped["Non-finite steps (1: NaN or inf) and steps skipped by the loss scale"] == [
+        "^gradients/nonfinite$",
+        "^gradients/skipped_steps$",
+    ]
     loaded = [np.load(f) for f in snapshot.files]
     assert [float(d["loss_scale"]) for d in loaded] == [8.0, 4.0, 4.0]
     assert loaded[0]["dense_0/kernel"].dtype == np.float32  # as the optimizer gets it
@@ -682,6 +840,11 @@ def test_snapshot_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
             "Received: histogram_freq=-1",
         ),
         (
+            lambda: callbacks.GradientTensorBoard(gradient_histogram_freq="epoch"),
+            "`gradient_histogram_freq` must be 'batch' or a positive int. "
+            "Received: gradient_histogram_freq='epoch'",
+        ),
+        (
             lambda: callbacks.GradientMonitor(action="panic"),
             "`action` must be one of ['warn', 'stop', 'raise']. Received: action='panic'",
         ),
@@ -768,3 +931,49 @@ def test_callbacks_need_a_model_that_keeps_gradients(tmp_path):
     model.keep_gradients = False
     with pytest.raises(ValueError, match=r"GradientSnapshot .*`keep_gradients=False`"):
         model.fit(x, y, verbose=0, callbacks=[callbacks.GradientSnapshot(tmp_path / "g.npz")])
+
+
+@pytest.mark.parametrize("board_first", [True, False])
+def test_buffered_scalars_are_written_before_the_monitor_raises(tmp_path, board_first):
+    # The NaN batch (step 2) makes GradientMonitor raise: fit ends without
+    # `on_train_end`. The board writes a non-finite step at once; called
+    # after the monitor it never sees step 2, and the monitor writes the
+    # buffered step 1 before it raises.
+    log_dir = str(tmp_path / "logs")
+    model, x, y = nan_model_and_data()
+    board = callbacks.GradientTensorBoard(log_dir, update_freq=1)
+    monitor = callbacks.GradientMonitor(action="raise")
+    with pytest.raises(RuntimeError, match="Step 2: non-finite"):
+        model.fit(
+            x,
+            y,
+            batch_size=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[board, monitor] if board_first else [monitor, board],
+        )
+    board._train_writer.flush()
+    acc = read_run(os.path.join(log_dir, "train"))
+    steps = [1, 2] if board_first else [1]
+    assert scalars(acc, "gradients/nonfinite") == [(1, 0.0), (2, 1.0)][: len(steps)]
+    assert [e.step for e in acc.Tensors("batch_loss")] == steps
+
+
+def test_scalar_writer_buffers_rows_until_full_or_flushed(tmp_path):
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    scalar_writer = _tb_panels.ScalarWriter(
+        writer, ["a", "b"], traced=True, max_rows=3, max_seconds=3600.0
+    )
+    scalar_writer.write(1, [1.0, 2.0])
+    scalar_writer.write(2, [3.0, np.nan])
+    writer.flush()
+    assert read_run(str(tmp_path)).Tags()["tensors"] == []  # still buffered
+    scalar_writer.write(3, [5.0, 6.0])  # the third row fills the buffer
+    scalar_writer.write(4, [7.0, 8.0])
+    scalar_writer.flush()
+    writer.flush()
+    acc = read_run(str(tmp_path))
+    assert scalars(acc, "a") == [(1, 1.0), (2, 3.0), (3, 5.0), (4, 7.0)]
+    b = scalars(acc, "b")
+    assert [s for s, _ in b] == [1, 2, 3, 4] and np.isnan(b[1][1])
+    assert [v for _, v in b if np.isfinite(v)] == [2.0, 6.0, 8.0]

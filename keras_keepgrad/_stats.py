@@ -1,0 +1,296 @@
+"""Per-step gradient statistics, computed once inside the training step.
+
+The callbacks and the norm metrics all need the same few numbers per step:
+each variable's sum of squared gradient entries, from which come the layer
+norms, the global norm and which layers hold a NaN or an infinity. They
+are computed here once per step, inside the compiled step where the
+gradients already are, and shared:
+
+- the gradient metrics of the same step reuse them (`shared_squares`);
+- a callback that asked for them (`require`, from its `set_model`) reads
+  them between steps as one small vector (`read`), instead of every
+  gradient.
+
+The training step calls `record` once, with the `{path: kept gradient}` it
+just stored. When no callback asked, `record` adds no op to the step.
+
+In the step the sums are float32 only, with no conditional (a conditional
+costs more than the sums on a small model): a sum that overflows float32
+reads inf like a gradient holding inf. Readers that must tell them apart
+look again where a value is not finite, which is rare: the callbacks sum
+the slots in float64 (`_grad_stats.LatestNorms`), `NonFiniteGradients`
+checks the entries.
+
+The vector lives in a plain `tf.Variable` held by a `_Holder` on the model,
+not tracked by Keras nor `tf.train.Checkpoint` (as the gradient slots are):
+never in `model.weights`, checkpoints or saved files.
+"""
+
+import threading
+import weakref
+
+import tensorflow as tf
+
+from keras_keepgrad import _grad_stats
+
+__all__ = ["read", "record", "require", "shared_squares", "step_statistics", "sum_squares"]
+
+_ATTRIBUTE = "_kg_step_statistics"
+
+
+def _squares(grad, dtype):
+    # `l2_loss` (sum of squares / 2) is one fused kernel, no squared copy.
+    if isinstance(grad, tf.IndexedSlices):
+        # Duplicate rows add up before squaring, as in the dense gradient.
+        grad = tf.math.unsorted_segment_sum(
+            grad.values, grad.indices, num_segments=grad.dense_shape[0]
+        )
+    return 2.0 * tf.nn.l2_loss(tf.cast(grad, dtype))
+
+
+def step_statistics(grads_by_path, layer_order=None):
+    """One step's statistics, as small float64 tensors.
+
+    Each gradient's squares are summed in float32 (float64 gradients in
+    float64): one pass over the gradients. Only if a sum is not finite (an
+    overflow, a NaN or an inf) is everything summed again in float64, where
+    a sum is non-finite exactly when an entry is (up to float64 gradients
+    above ~1e154). Works eagerly, in a `tf.function` and under XLA.
+
+    Args:
+        grads_by_path: Dict `{variable path: gradient}` (dense tensors or
+            `tf.IndexedSlices`), in `model.trainable_variables` order.
+        layer_order: Tuple of layer names (`_grad_stats.layer_of` of the
+            paths), in the order the per-layer sums are wanted. Defaults to
+            the order in which the layers first appear in `grads_by_path`.
+
+    Returns:
+        A dict of float64 tensors: `"squares"`, `[variables]`, each
+        gradient's sum of squares (non-finite where it holds a NaN or inf);
+        `"layer_squares"`, `[layers]`, their sums per layer.
+    """
+    layers, index = _layer_index(tuple(grads_by_path), layer_order)
+    squares = sum_squares(list(grads_by_path.values()))
+    layer_squares = tf.math.unsorted_segment_sum(
+        squares, tf.constant(index, tf.int32), num_segments=len(layers)
+    )
+    return {"squares": squares, "layer_squares": layer_squares}
+
+
+def sum_squares(grads, exact=True):
+    """float64 `[len(grads)]`: each gradient's sum of squares.
+
+    Args:
+        grads: List of gradients (dense tensors or `tf.IndexedSlices`).
+        exact: Bool. With False, the float32 sums only (no conditional in
+            the step): a sum that overflows float32 (a norm above ~1.8e19)
+            reads inf, like a gradient holding inf. A reader that must tell
+            them apart sums again when a value is not finite.
+    """
+    if not grads:
+        return tf.zeros((0,), tf.float64)
+    fast = tf.stack(
+        [
+            tf.cast(_squares(g, tf.float64 if g.dtype == tf.float64 else tf.float32), tf.float64)
+            for g in grads
+        ]
+    )
+    if not exact:
+        return fast
+    return tf.cond(
+        tf.reduce_all(tf.math.is_finite(fast)),
+        lambda: fast,
+        lambda: tf.stack([_squares(g, tf.float64) for g in grads]),
+    )
+
+
+def _layer_index(paths, layer_order=None):
+    """`(layers, index)`: the layer names, and each path's layer position."""
+    positions = {}
+    for layer in layer_order or ():
+        positions.setdefault(layer, len(positions))
+    for path in paths:
+        positions.setdefault(_grad_stats.layer_of(path), len(positions))
+    return tuple(positions), [positions[_grad_stats.layer_of(p)] for p in paths]
+
+
+# Sharing within a step -------------------------------------------------------
+
+_latest = threading.local()
+
+
+def _same(refs, tensors):
+    return len(refs) == len(tensors) and all(r() is t for r, t in zip(refs, tensors))
+
+
+def shared_squares(grads_by_path):
+    """`sum_squares(..., exact=False)` of the gradients, computed once.
+
+    Within one step (one trace, or one eager step), every caller with the
+    same gradient tensors gets the same tensor: `record` and each gradient
+    metric share one computation. Tensors are matched by identity, so a
+    step whose gradients differ (another trace, all-reduced copies) never
+    gets another step's values; a tensor that no longer exists matches
+    nothing.
+    """
+    tensors = tuple(grads_by_path.values())
+    latest = getattr(_latest, "value", None)
+    if latest is not None and _same(latest[0], tensors):
+        squares = latest[1]()
+        if squares is not None:
+            return squares
+    squares = sum_squares(list(tensors), exact=False)
+    # Weak references: the cache keeps no step's gradients (nor a traced
+    # graph) alive.
+    _latest.value = ([weakref.ref(t) for t in tensors], weakref.ref(squares))
+    return squares
+
+
+# Between steps: the holder ---------------------------------------------------
+
+
+class _Holder:
+    """The last recorded step's statistics, for one model.
+
+    Attributes:
+        requested: Bool. A callback asked for the statistics.
+        paths: Tuple of the variable paths of the last trace of `record`.
+        values: float64 `tf.Variable` `[len(paths) + 1]`: each variable's
+            sum of squares, then the number of steps recorded.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self.paths = None
+        self.values = None
+        self.cache = None  # (logs, what `read` returned for them)
+
+
+def _holder(model, create=False):
+    holder = model.__dict__.get(_ATTRIBUTE)
+    if holder is None and create:
+        holder = _Holder()
+        # Past Keras's attribute tracking: a plain object, never saved.
+        object.__setattr__(model, _ATTRIBUTE, holder)
+    return holder
+
+
+def require(model):
+    """Asks `model`'s training step to record the statistics.
+
+    For callbacks, from `set_model`: Keras's `fit` calls it before it makes
+    the training function. A training function made without the
+    statistics is dropped, so `fit` makes a new one that records them.
+    """
+    holder = _holder(model, create=True)
+    if not holder.requested:
+        holder.requested = True
+        if getattr(model, "train_function", None) is not None:
+            model.train_function = None
+
+
+def record(model, grads_by_path, reduced=True, wrote=None):
+    """Records this step's statistics for the callbacks; inside the step.
+
+    The one call the training step makes, right after it stored the kept
+    gradients: with the same `{path: kept gradient}`, once per training
+    step. Adds no op unless a callback asked (`require`).
+
+    Args:
+        model: The model being trained.
+        grads_by_path: Dict `{variable path: kept gradient}`, in
+            `model.trainable_variables` order.
+        reduced: Bool. Whether under a `tf.distribute` strategy the
+            gradients are already the global ones. Partial (per-replica)
+            gradients are not recorded: callbacks then read the slots.
+        wrote: None if the slots were written this step, else a bool tensor
+            saying whether they were (`keep_every > 1`): the statistics
+            always describe the step the slots hold.
+    """
+    holder = _holder(model)
+    if holder is None or not holder.requested:
+        return
+    context = tf.distribute.get_replica_context()
+    if not reduced and context is not None and context.num_replicas_in_sync > 1:
+        return
+    paths = tuple(grads_by_path)
+    if holder.values is None or holder.paths != paths:
+        _create_values(holder, paths, model.distribute_strategy)
+
+    def write():
+        # Inside a `tf.cond` branch (`wrote`), a tensor cannot be shared
+        # with ops outside it.
+        squares = (
+            shared_squares(grads_by_path)
+            if wrote is None
+            else sum_squares(list(grads_by_path.values()), exact=False)
+        )
+        count = holder.values[len(paths)] + 1.0
+        holder.values.assign(tf.concat([squares, count[None]], 0), read_value=False)
+        return tf.constant(True)
+
+    if wrote is None:
+        write()
+    elif tf.executing_eagerly():
+        if bool(wrote):
+            write()
+    else:
+        tf.cond(wrote, write, lambda: tf.constant(False))
+
+
+def _create_values(holder, paths, strategy):
+    def create(*_):
+        with tf.init_scope(), strategy.scope():
+            holder.values = tf.Variable(
+                tf.zeros((len(paths) + 1,), tf.float64),
+                name="kept_gradient/statistics",
+                trainable=False,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            )
+        holder.paths = paths
+
+    context = tf.distribute.get_replica_context()
+    if tf.distribute.has_strategy() and context is not None:
+        # In a replica's step: a strategy creates variables only in its
+        # cross-replica context, once for all replicas.
+        context.merge_call(create)
+    else:
+        create()
+
+
+def read(model, logs=None):
+    """The last recorded step's statistics, between steps.
+
+    Args:
+        model: The model.
+        logs: The `logs` dict of the `on_train_batch_end` call, or None.
+            Keras hands the same dict to every callback of one batch and a
+            new one each batch: callbacks that pass it share one read. The
+            dict is held until the next read, so its identity cannot be
+            reused by another batch's meanwhile.
+
+    Returns:
+        `(count, paths, squares)`: how many steps were recorded so far (a
+        caller compares it with the count it saw last, to tell whether
+        these describe a new step), the variable paths, and their float64
+        sums of squares as a NumPy array. None when nothing was recorded
+        (no callback asked, or the step does not record).
+    """
+    holder = _holder(model)
+    if holder is None or holder.values is None:
+        return None
+    cached = holder.cache
+    if logs is not None and cached is not None and cached[0] is logs:
+        return cached[1]
+    strategy = model.distribute_strategy
+    values = strategy.experimental_local_results(holder.values)[0].numpy()
+    found = int(values[-1]), holder.paths, values[:-1]
+    holder.cache = None if logs is None else (logs, found)
+    return found
+
+
+def count(model):
+    """The number of steps recorded so far (0 when none)."""
+    found = read(model)
+    return 0 if found is None else found[0]

@@ -1,0 +1,229 @@
+"""Tests for keras_keepgrad._stats: one step's statistics, computed once.
+
+The hand model of test_callbacks: one bias-free Dense(1), kernel 3, mse,
+SGD(0.1), x = [[1], [2]], y = 0: the gradient is 5w = 15, 7.5, 3.75, so
+the recorded sums of squares are 225, 56.25, 14.0625.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_keepgrad as kg
+from keras_keepgrad import _stats
+
+
+def hand_model(**compile_kwargs):
+    inputs = keras.Input((1,))
+    outputs = keras.layers.Dense(
+        1,
+        use_bias=False,
+        kernel_initializer=keras.initializers.Constant(3.0),
+        name="dense_0",
+    )(inputs)
+    model = kg.KeepGradModel(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **compile_kwargs)
+    return model
+
+
+def hand_data(batches):
+    x = np.tile(np.array([[1.0], [2.0]]), (batches, 1))
+    return x, np.zeros_like(x)
+
+
+class Squares(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        count, paths, squares = _stats.read(self.model)
+        self.seen.append((count, paths, squares.tolist()))
+
+
+def test_step_statistics_sums_squares_per_variable_and_layer():
+    grads = {
+        "a/kernel": tf.constant([[3.0, 4.0]]),  # 9 + 16
+        "a/bias": tf.constant([1.0]),
+        "b/kernel": tf.constant([2.0], tf.float64),
+        # Duplicate rows add before squaring: (1 + 2)^2 + 4^2.
+        "c/embeddings": tf.IndexedSlices(
+            tf.constant([[1.0], [2.0], [4.0]]),
+            tf.constant([0, 0, 1]),
+            tf.constant([3, 1]),
+        ),
+    }
+    stats = _stats.step_statistics(grads)
+    assert stats["squares"].dtype == tf.float64
+    assert stats["squares"].numpy().tolist() == [25.0, 1.0, 4.0, 25.0]
+    assert stats["layer_squares"].numpy().tolist() == [26.0, 4.0, 25.0]
+    # A given layer order comes first.
+    stats = _stats.step_statistics(grads, layer_order=("c", "b", "a"))
+    assert stats["layer_squares"].numpy().tolist() == [25.0, 4.0, 26.0]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_nonfinite_and_overflowing_sums_are_told_apart(jit):
+    @tf.function(jit_compile=jit)
+    def squares(a, b, c):
+        return _stats.sum_squares([a, b, c])
+
+    # 3e19^2 overflows float32 but not float64: summed again in float64.
+    big, nan = tf.constant([3e19]), tf.constant([1.0, np.nan])
+    values = squares(big, nan, tf.constant([2.0])).numpy()
+    assert values[0] == pytest.approx(9e38) and np.isnan(values[1]) and values[2] == 4.0
+
+
+def test_callbacks_read_the_recorded_statistics_every_step():
+    model = hand_model()
+    seen = Squares()
+    x, y = hand_data(3)
+    # GradientMonitor asks for the statistics in `set_model`.
+    model.fit(
+        x,
+        y,
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kg.callbacks.GradientMonitor(), seen],
+    )
+    assert seen.seen == [
+        (1, ("dense_0/kernel",), [225.0]),
+        (2, ("dense_0/kernel",), [56.25]),
+        (3, ("dense_0/kernel",), [14.0625]),
+    ]
+
+
+def test_no_statistics_without_a_callback_that_asks():
+    model = hand_model(metrics=[kg.metrics.GradientNorm()])
+    x, y = hand_data(1)
+    history = model.fit(x, y, batch_size=2, shuffle=False, verbose=0, epochs=2)
+    assert history.history["grad_norm"] == [15.0, 7.5]
+    assert _stats.read(model) is None
+    # A later fit with a callback that asks remakes the training function.
+    first = model.train_function
+    seen = Squares()
+    model.fit(x, y, batch_size=2, verbose=0, callbacks=[kg.callbacks.GradientMonitor(), seen])
+    assert model.train_function is not first
+    assert seen.seen == [(1, ("dense_0/kernel",), [3.75**2])]
+
+
+def test_keep_every_records_the_kept_steps_only():
+    inputs = keras.Input((1,))
+    outputs = keras.layers.Dense(
+        1,
+        use_bias=False,
+        kernel_initializer=keras.initializers.Constant(3.0),
+        name="dense_0",
+    )(inputs)
+    model = kg.KeepGradModel(inputs, outputs, keep_every=2)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    seen = Squares()
+    x, y = hand_data(3)
+    model.fit(
+        x,
+        y,
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kg.callbacks.GradientMonitor(), seen],
+    )
+    # Steps 1 and 3 are kept (15, then 3.75); step 2 leaves step 1's.
+    assert seen.seen == [
+        (1, ("dense_0/kernel",), [225.0]),
+        (1, ("dense_0/kernel",), [225.0]),
+        (2, ("dense_0/kernel",), [14.0625]),
+    ]
+
+
+def test_statistics_are_no_weights_and_not_saved(tmp_path):
+    model = hand_model()
+    x, y = hand_data(1)
+    model.fit(x, y, batch_size=2, verbose=0, callbacks=[kg.callbacks.GradientMonitor()])
+    n = len(model.weights)
+    assert _stats.read(model)[0] == 1
+    assert not any("statistics" in v.path for v in model.weights)
+    model.save_weights(str(tmp_path / "w.weights.h5"))
+    plain = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False)])
+    plain.load_weights(str(tmp_path / "w.weights.h5"))  # the same arrays
+    assert len(model.weights) == n
+
+
+def test_metrics_and_statistics_share_one_computation():
+    grads = {"a/kernel": tf.constant([3.0, 4.0])}
+    first = _stats.shared_squares(grads)
+    assert _stats.shared_squares(dict(grads)) is first  # same tensors
+    other = {"a/kernel": tf.constant([3.0, 4.0])}
+    assert _stats.shared_squares(other) is not first  # other tensors
+    assert first.numpy().tolist() == [25.0]
+    # The cache holds no strong reference: the gradients can be freed.
+    import gc
+    import weakref
+
+    ref = weakref.ref(other["a/kernel"])
+    del other
+    gc.collect()
+    assert ref() is None
+
+
+def test_an_overflowing_sum_is_not_taken_for_nan(tmp_path):
+    # x = [[1e10], [2e10]]: dL/dw = w * (1e20 + 4e20) = 1.5e21 at w = 3,
+    # finite in float32, but its square (2.25e42) overflows float32: the
+    # step records inf, and the callbacks sum the slots again in float64.
+    model = hand_model()
+    x, y = np.array([[1e10], [2e10]]), np.zeros((2, 1))
+    monitor = kg.callbacks.GradientMonitor(action="raise")
+    seen = Squares()
+    model.fit(
+        x,
+        y,
+        batch_size=2,
+        verbose=0,
+        callbacks=[monitor, kg.callbacks.GradientTensorBoard(str(tmp_path), update_freq=1), seen],
+    )
+    assert seen.seen[0][2] == [np.inf]
+    assert monitor.events == []
+    from tensorboard.backend.event_processing import event_accumulator
+
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "train"), size_guidance={"tensors": 0})
+    acc.Reload()
+
+    def values(tag):
+        return [float(tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)]
+
+    assert values("gradients/nonfinite") == [0.0]
+    assert values("gradients/global_norm") == [float(np.float32(1.5e21))]
+    assert values("log10_grad_norm/global") == [float(np.float32(np.log10(1.5e21)))]
+
+
+def test_sum_squares_without_the_exact_pass_reads_overflow_as_inf():
+    squares = _stats.sum_squares([tf.constant([3e19]), tf.constant([2.0])], exact=False)
+    assert squares.numpy().tolist() == [np.inf, 4.0]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_sparse_gradients_are_summed_before_squaring(jit):
+    # Embedding(5, 3) of ones, Flatten, Dense(1) of ones, mse, y = 0.
+    # x = [[1, 1], [2, 3]]: both predictions are 6, so each output's error
+    # gradient is 2 * 6 / 2 = 6. d/kernel: 6 * the flattened embeddings
+    # (all ones) summed over the 2 samples = 12 per entry, 6 entries:
+    # 6 * 144 = 864. d/embeddings: row 1 gets 6 from each of its two
+    # positions in sample 1 (12 per entry, duplicates summed), rows 2 and 3
+    # get 6: 3 * 144 + 2 * 3 * 36 = 648.
+    inputs = keras.Input((2,), dtype="int32")
+    h = keras.layers.Embedding(5, 3, embeddings_initializer="ones", name="emb")(inputs)
+    outputs = keras.layers.Dense(1, kernel_initializer="ones", use_bias=False, name="d")(
+        keras.layers.Flatten()(h)
+    )
+    model = kg.KeepGradModel(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", jit_compile=jit)
+    seen = Squares()
+    model.fit(
+        np.array([[1, 1], [2, 3]], "int32"),
+        np.zeros((2, 1), "float32"),
+        batch_size=2,
+        verbose=0,
+        callbacks=[kg.callbacks.GradientMonitor(), seen],
+    )
+    assert seen.seen == [(1, ("emb/embeddings", "d/kernel"), [648.0, 864.0])]
