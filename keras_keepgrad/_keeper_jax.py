@@ -453,7 +453,14 @@ def make_train_function(model):
                 if distributed:
                     slot_shardings = [keeper.layouts[p] for p in keeper.paths]
                     out_shardings = (None, state_shardings) + ((slot_shardings,) if write else ())
-                function = jax.jit(function, donate_argnums=(0, 1), out_shardings=out_shardings)
+                # `keep_unused`: the old slots are not read, only donated,
+                # and an unused argument would be dropped with its buffer.
+                function = jax.jit(
+                    function,
+                    donate_argnums=(0, 1),
+                    keep_unused=True,
+                    out_shardings=out_shardings,
+                )
             functions[write] = function
         return function
 
