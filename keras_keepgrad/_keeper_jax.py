@@ -259,6 +259,9 @@ class GradientKeeper:
         trainable_paths: The model's trainable variable paths when it was
             traced.
         slots: The kept gradients, one array per path, or None.
+        compiled_step: `compiled_step(write)`, the (jitted) step function
+            that writes the slots or not, once the training function is
+            made: for inspection, e.g. of its XLA cost.
     """
 
     def __init__(self, every=1):
@@ -267,6 +270,7 @@ class GradientKeeper:
         self.trainable_paths = None
         self.slots = None
         self.layouts = None
+        self.compiled_step = None
         self._serial = next(_KEEPER_SERIALS)
         self._steps = 0
         self._written = -1
@@ -463,6 +467,8 @@ def make_train_function(model):
                 )
             functions[write] = function
         return function
+
+    keeper.compiled_step = compiled
 
     def train_step(state, data):
         write = keeper.writes_next()

@@ -298,6 +298,38 @@ def test_other_backends_named_in_the_error(monkeypatch):
         one_weight()
 
 
+# Callbacks (they write through TensorFlow's `tf.summary`, as Keras's own
+# TensorBoard callback does on every backend) -------------------------------
+
+
+def test_callbacks_read_every_step(tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
+
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    monitor = kg.callbacks.GradientMonitor(check_freq=1)
+    callbacks = [
+        kg.callbacks.GradientTensorBoard(str(tmp_path / "tb"), update_freq=1),
+        monitor,
+        kg.callbacks.GradientSnapshot(str(tmp_path / "snap" / "{step:03d}.npz"), every=1),
+    ]
+    model.fit(np.tile(X, (3, 1)), np.tile(Y, (3, 1)), batch_size=2, shuffle=False, verbose=0,
+              callbacks=callbacks)  # fmt: skip
+    snaps = [np.load(tmp_path / "snap" / f"{step:03d}.npz") for step in (1, 2, 3)]
+    assert [float(s["dense_0/kernel"][0, 0]) for s in snaps] == [15.0, 7.5, 3.75]
+    acc = event_accumulator.EventAccumulator(
+        str(tmp_path / "tb" / "train"), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    acc.Reload()
+    norms = [
+        float(tensor_util.make_ndarray(e.tensor_proto))
+        for e in acc.Tensors("gradients/global_norm")
+    ]
+    assert norms == [15.0, 7.5, 3.75]
+    assert monitor.events == []  # nothing non-finite, vanishing or exploding
+
+
 # Distribution -----------------------------------------------------------
 
 
