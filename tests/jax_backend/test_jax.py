@@ -405,3 +405,23 @@ def test_model_parallel_slots_take_the_variables_layout():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_benchmark_smoke_and_the_xla_cost_of_keeping(tmp_path):
+    import importlib.util
+    import json
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "overhead_jax.py")
+    spec = importlib.util.spec_from_file_location("overhead_jax", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    bench.main(["--smoke", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert [r["model"] for r in results] == ["mlp_1m", "conv"]
+    for r in results:
+        assert r["rounds"] == 2 and len(r["ratios"]["kept"]) == 2
+        # XLA's cost model of the compiled steps: keeping adds no
+        # arithmetic, and moves at most one parameter-sized write more.
+        assert r["xla_flops"]["kept"] == r["xla_flops"]["plain"]
+        assert 0.0 <= r["extra_bytes_in_parameter_writes"] <= 1.0
