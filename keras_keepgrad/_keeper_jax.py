@@ -24,7 +24,10 @@ themselves, valid until the next step that writes them starts. A reader
 that needs them longer copies them (`np.asarray`), as the callbacks of this
 package do.
 
-Nothing here imports TensorFlow.
+Nothing here imports TensorFlow. Written against Keras 3.15's JAX trainer;
+besides its public API it reads `optimizer._trainable_variables` (what the
+values `stateless_apply` takes pair with), `model._get_state_sharding_spec()`
+and `model._make_function()` (as `JAXTrainer.make_train_function` does).
 """
 
 import contextlib
@@ -37,8 +40,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 import keras
+from keras import StatelessScope
 from keras import ops
-from keras.src.backend.common.stateless_scope import StatelessScope
 
 from keras_keepgrad import _capture
 

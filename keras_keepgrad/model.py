@@ -489,7 +489,11 @@ class KeepGradModel(keras.Model):
 
     @property
     def gradient_dtypes(self):
-        """`{variable path: tf.DType}` of the kept gradients (flat)."""
+        """`{variable path: dtype}` of the kept gradients (flat).
+
+        A `tf.DType` on TensorFlow, a NumPy dtype on JAX; both compare
+        equal to dtype names (`"float32"`).
+        """
         return self._checked_keeper().slot_dtypes()
 
     def get_gradients_by_path(self):

@@ -21,6 +21,7 @@ from conftest import W0
 from conftest import Recorder
 from conftest import X
 from conftest import Y
+from conftest import dense_0
 from conftest import kernel
 from conftest import one_weight
 
@@ -129,6 +130,49 @@ def test_own_stateless_train_step_is_kept():
     fit_once(model)
     assert float(kernel(model)[0, 0]) == 7.5
     assert float(model.get_weights()[0][0, 0]) == 2.25  # 3 - 0.1 * 7.5
+
+
+def test_two_optimizers_in_own_train_step_are_both_kept():
+    # A GAN-like step: each of two one-weight layers has its own optimizer
+    # (SGD without momentum: no optimizer state to thread through).
+    # y = w1 * w0 * x with w0 = 3, w1 = 1: d/dw0 = 5 * w0 * w1^2 = 15,
+    # d/dw1 = 5 * w1 * w0^2 = 45.
+    class Net(kg.KeepGradModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.first = dense_0(name="first")
+            self.second = dense_0(name="second", w=1.0)
+            self.opt_a = keras.optimizers.SGD(0.01)
+            self.opt_b = keras.optimizers.SGD(0.01)
+
+        def call(self, x):
+            return self.second(self.first(x))
+
+        def train_step(self, state, data):
+            trainable, non_trainable, optimizer_vars, metrics_vars = state
+            x, y = data
+
+            def loss_fn(trainable):
+                y_pred, _ = self.stateless_call(trainable, non_trainable, x)
+                return jnp.mean((y_pred - y) ** 2)
+
+            loss, (g0, g1) = jax.value_and_grad(loss_fn)(trainable)
+            (w0,), _ = self.opt_a.stateless_apply(
+                [v.value for v in self.opt_a.variables], [g0], [trainable[0]]
+            )
+            (w1,), _ = self.opt_b.stateless_apply(
+                [v.value for v in self.opt_b.variables], [g1], [trainable[1]]
+            )
+            return {"loss": loss}, ([w0, w1], non_trainable, optimizer_vars, metrics_vars)
+
+    net = Net(name="gan")
+    net(X)
+    net.opt_a.build([net.first.kernel])
+    net.opt_b.build([net.second.kernel])
+    net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    net.fit(X, Y, batch_size=2, verbose=0)
+    assert float(net.gradients["gan"]["first"]["kernel"][0, 0]) == 15.0
+    assert float(net.gradients["gan"]["second"]["kernel"][0, 0]) == 45.0
 
 
 def test_keep_step_gradients_without_optimizer():
