@@ -324,6 +324,39 @@ def test_kept_gradients_are_not_weights_and_save_only_when_asked(tmp_path):
     assert float(restored.gradients["dense_0"]["kernel"][0, 0]) == 15.0
 
 
+def test_keep_gradients_off_is_plain_keras_and_can_be_turned_on():
+    model = one_weight(keep_gradients=False)
+    fit_once(model)
+    assert float(model.get_weights()[0][0, 0]) == 1.5
+    with pytest.raises(AttributeError, match="keep_gradients=True"):
+        model.gradients
+    model.keep_gradients = True
+    model.fit(X, Y, batch_size=2, verbose=0)
+    assert float(kernel(model)[0, 0]) == 7.5  # 5w at w = 1.5
+
+
+def test_evaluate_and_predict_leave_the_kept_gradients():
+    model = one_weight()
+    fit_once(model)
+    assert model.evaluate(X, Y, verbose=0) == pytest.approx(5.625)  # mean(1.5^2, 3^2)
+    assert model.predict(X, verbose=0).tolist() == [[1.5], [3.0]]
+    assert float(kernel(model)[0, 0]) == 15.0
+
+
+def test_loading_mismatched_saved_gradients_raises_first(tmp_path):
+    saving = one_weight(save_gradients=True)
+    fit_once(saving)
+    path = str(tmp_path / "kept.weights.h5")
+    saving.save_weights(path)
+    other = one_weight(layer="dense_0", keep_every=1)
+    inputs = keras.Input((2,))
+    wider = kg.KeepGradModel(inputs, keras.layers.Dense(1, use_bias=False, name="dense_0")(inputs))
+    with pytest.raises(ValueError, match="has shape"):
+        wider.load_weights(path)
+    other.load_weights(path)
+    assert float(other.gradients["dense_0"]["kernel"][0, 0]) == 15.0
+
+
 def test_no_tensorflow_in_the_step():
     # The keeping machinery on JAX never touches TensorFlow: a step whose
     # trace reached it would fail on JAX tracers.
