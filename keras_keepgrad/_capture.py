@@ -8,9 +8,12 @@ So whoever wrote the step, Keras or the user, and however many optimizers
 it uses, the gradients each one receives are kept. Outside such a step the
 wrapped `apply` is Keras's own.
 
+On JAX, where a step is a pure function of its state, optimizers update
+through `stateless_apply`, which is wrapped the same way.
+
 An optimizer that calls another's `apply` (a `LossScaleOptimizer` calling
-its inner optimizer) is captured once, at the outermost call: what the
-user's step handed over.
+its inner optimizer, `stateless_apply` calling `apply`) is captured once,
+at the outermost call: what the user's step handed over.
 """
 
 import contextlib
@@ -145,12 +148,38 @@ def _capturing(apply):
     return do_not_convert(capturing_apply)
 
 
+def _capturing_stateless(stateless_apply):
+    """`stateless_apply` of an optimizer class, wrapped likewise (JAX)."""
+
+    @functools.wraps(stateless_apply)
+    def capturing_stateless_apply(optimizer, optimizer_variables, grads, trainable_variables):
+        step = current_step()
+        if step is None or step.applying or not optimizer.built or not grads:
+            return stateless_apply(optimizer, optimizer_variables, grads, trainable_variables)
+        grads, values = list(grads), list(trainable_variables)
+
+        def run(grads):
+            step.applying = True
+            try:
+                return stateless_apply(optimizer, optimizer_variables, grads, values)
+            finally:
+                step.applying = False
+
+        return step.keeper.keep_from_stateless(
+            step, optimizer, optimizer_variables, grads, values, run
+        )
+
+    capturing_stateless_apply._keepgrad_original = stateless_apply
+    return capturing_stateless_apply
+
+
 _install_lock = threading.Lock()
 _installed = False
 
 
 def install(again=True):
-    """Wraps `apply` of every optimizer class defined so far (idempotent).
+    """Wraps `apply` (and, off TensorFlow, `stateless_apply`) of every
+    optimizer class defined so far (idempotent).
 
     Called whenever a `KeepGradModel` builds its training function, so
     that optimizer classes defined after an earlier call (a user's own,
@@ -162,6 +191,9 @@ def install(again=True):
         return
     with _install_lock:
         _installed = True
+        wrappers = {"apply": _capturing}
+        if keras.backend.backend() != "tensorflow":
+            wrappers["stateless_apply"] = _capturing_stateless
         # Every optimizer class derives from the one defining `apply`.
         pending = [next(c for c in keras.optimizers.Optimizer.__mro__ if "apply" in vars(c))]
         seen = set()
@@ -171,6 +203,7 @@ def install(again=True):
                 continue
             seen.add(cls)
             pending.extend(cls.__subclasses__())
-            apply = vars(cls).get("apply")
-            if apply is not None and not hasattr(apply, "_keepgrad_original"):
-                cls.apply = _capturing(apply)
+            for name, wrap in wrappers.items():
+                method = vars(cls).get(name)
+                if method is not None and not hasattr(method, "_keepgrad_original"):
+                    setattr(cls, name, wrap(method))

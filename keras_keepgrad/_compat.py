@@ -1,24 +1,38 @@
 """The few private Keras pieces this package needs, in one place.
 
-Written against Keras 3.15 (TensorFlow backend). Each helper names what it
-reaches for and why no public API serves.
+Written against Keras 3.15 (TensorFlow and JAX backends). Each helper
+names what it reaches for and why no public API serves.
 """
 
 import keras
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-from keras.src.backend.tensorflow.trainer import (
-    _collective_all_reduce_multi_worker as collective_multi_worker,
-)
-from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 
+# The Keras backends `KeepGradModel` keeps gradients on.
+SUPPORTED_BACKENDS = ("tensorflow", "jax")
+
+BACKEND = keras.backend.backend()
+
+if BACKEND == "tensorflow":
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from keras.src.backend.tensorflow.trainer import (
+        _collective_all_reduce_multi_worker as collective_multi_worker,
+    )
+    from keras.src.losses.loss import unscale_loss_for_distribution
+
+    # The trainer class `keras.Model` derives from on this backend.
+    BackendTrainer = TensorFlowTrainer
+else:
+    from keras.src.backend.jax.trainer import JAXTrainer as BackendTrainer
+
 __all__ = [
+    "BACKEND",
+    "BackendTrainer",
     "Functional",
     "MODEL_STATE_ATTRIBUTES",
-    "TensorFlowTrainer",
+    "SUPPORTED_BACKENDS",
     "check_backend",
     "compile_arguments",
     "compiled_metrics_as_passed",
@@ -42,18 +56,19 @@ MODEL_STATE_ATTRIBUTES = frozenset(
 
 
 def check_backend(what):
-    """Raises if Keras does not run on TensorFlow.
+    """Raises if Keras runs on a backend that keeping does not support.
 
-    `KeepGradModel` overrides the TensorFlow `train_step`; on any other backend
-    it would silently keep nothing.
+    Gradients are kept where the optimizers of the TensorFlow and JAX
+    trainers receive them; on any other backend a `KeepGradModel` would
+    silently keep nothing.
     """
     backend = keras.backend.backend()
-    if backend != "tensorflow":
+    if backend not in SUPPORTED_BACKENDS:
         raise RuntimeError(
-            f"{what} requires the TensorFlow backend of Keras. Received: "
-            f"KERAS_BACKEND={backend!r}. Set the environment variable "
-            'KERAS_BACKEND=tensorflow (or `"backend": "tensorflow"` in '
-            "~/.keras/keras.json) before importing keras."
+            f"{what} requires the TensorFlow or the JAX backend of Keras. "
+            f"Received: KERAS_BACKEND={backend!r}. Set the environment "
+            "variable KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax (or "
+            '`"backend": "jax"` in ~/.keras/keras.json) before importing keras.'
         )
 
 

@@ -119,6 +119,15 @@ class _DynamicsMetric(GradientMetric):
     """
 
     def __init__(self, **kwargs):
+        backend = keras.backend.backend()
+        if backend != "tensorflow":
+            # Its state is TensorFlow's (one copy per replica).
+            raise NotImplementedError(
+                f"{type(self).__name__} runs on the TensorFlow backend only. "
+                f"Received: KERAS_BACKEND={backend!r}. Use "
+                "KERAS_BACKEND=tensorflow for it; the other gradient metrics "
+                "run on TensorFlow and JAX."
+            )
         super().__init__(fn=None, **kwargs)
         self._counted = self.add_variable(
             shape=(), initializer="zeros", aggregation="mean", name="counted"

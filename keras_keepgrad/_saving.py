@@ -38,9 +38,9 @@ file. A `KeepGradModel` exposes one more such saveable, under the attribute
   with fresh zero slots, as for any model.
 
 Gradient slots are plain `tf.Variable`s held outside Keras's and
-TensorFlow's tracking (see `_keeper.py`), so `model.weights`,
-`tf.train.Checkpoint` and `model.export()` never contain them, whatever
-`save_gradients` says.
+TensorFlow's tracking (see `_keeper.py`), or on JAX plain arrays held by
+the keeper (`_keeper_jax.py`), so `model.weights`, `tf.train.Checkpoint`
+and `model.export()` never contain them, whatever `save_gradients` says.
 """
 
 import contextlib
@@ -51,7 +51,7 @@ import weakref
 import zipfile
 
 import h5py
-import tensorflow as tf
+import keras
 
 # Written against Keras 3.15. `saving_lib` saves every `KerasSaveable` it
 # finds among a model's attributes (`dir(model)`), and there is no public
@@ -181,7 +181,7 @@ class KeptGradientsState(KerasSaveable):
         if keeper is None:
             keeper = model._keeper = model._new_keeper()
         arrays = {v.path: saved[i][1] for i, v in enumerate(variables)}
-        keeper.restore(variables, arrays, model.distribute_strategy)
+        keeper.restore(variables, arrays, getattr(model, "distribute_strategy", None))
 
 
 @contextlib.contextmanager
@@ -281,9 +281,10 @@ def _check_saved_gradients(model, variables, saved):
                 f"has shape {tuple(variable.shape)}. {fix}"
             )
         dtype = slots.get(variable.path)
-        if dtype is not None and tf.as_dtype(array.dtype) != dtype:
+        saved_dtype = keras.backend.standardize_dtype(array.dtype)
+        if dtype is not None and saved_dtype != keras.backend.standardize_dtype(dtype):
             raise ValueError(
-                f"{where} has dtype {tf.as_dtype(array.dtype).name}, but the "
+                f"{where} has dtype {saved_dtype}, but the "
                 f"model keeps it as {dtype.name} (a different dtype policy or "
                 f"loss-scale optimizer?). {fix}"
             )

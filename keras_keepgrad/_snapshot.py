@@ -123,7 +123,7 @@ class GradientSnapshot(keras.callbacks.Callback):
         for path, grad in self.model.get_gradients_by_path().items():
             if grad.dtype == tf.bfloat16:
                 grad = tf.cast(grad, tf.float32)
-            arrays[path] = grad.numpy()
+            arrays[path] = np.asarray(grad)
         arrays["step"] = np.int64(step)
         arrays["epoch"] = np.int64(epoch)
         arrays["loss_scale"] = np.float64(_grad_stats.loss_scale_of(self.model.optimizer))

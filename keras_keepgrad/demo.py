@@ -35,6 +35,22 @@ def synthetic_data(n=2048, dims=16, seed=0):
     return x, y
 
 
+def numpy_initial_weights(model, seed):
+    """Redraws every `kernel` as Keras's default Glorot-uniform, from NumPy.
+
+    Keras's initializers draw from the backend's own random generator, so
+    the same seed gives other weights on TensorFlow and on JAX; NumPy's
+    generator gives the same ones on both. Biases and BatchNormalization's
+    variables start at constants already.
+    """
+    rng = np.random.default_rng(seed)
+    for variable in model.trainable_variables:
+        if variable.path.endswith("kernel"):
+            fan_in, fan_out = int(np.prod(variable.shape[:-1])), int(variable.shape[-1])
+            limit = math.sqrt(6.0 / (fan_in + fan_out))
+            variable.assign(rng.uniform(-limit, limit, variable.shape).astype(variable.dtype))
+
+
 def build_model(kind, depth=8, width=32, dims=16):
     """A deep MLP: "sigmoid" (gradients vanish) or "relu_bn" (healthy)."""
     keras.utils.set_random_seed(1)
@@ -48,7 +64,10 @@ def build_model(kind, depth=8, width=32, dims=16):
             h = keras.layers.BatchNormalization(name=f"bn_{i}")(h)
             h = keras.layers.Activation("relu", name=f"relu_{i}")(h)
     outputs = keras.layers.Dense(1, activation="sigmoid", name="out")(h)
-    return kg.KeepGradModel(inputs, outputs, name=f"mlp_{kind}")
+    model = kg.KeepGradModel(inputs, outputs, name=f"mlp_{kind}")
+    # The same initial weights, and batches in order, on every backend.
+    numpy_initial_weights(model, seed=1)
+    return model
 
 
 class LayerNorms(keras.callbacks.Callback):
@@ -117,7 +136,13 @@ def run(kind, x, y, epochs, logdir, verbose):
         # The monitor's findings are summarized below, not warned one by one.
         warnings.filterwarnings("ignore", message="GradientMonitor", category=UserWarning)
         history = model.fit(
-            x, y, batch_size=128, epochs=epochs, verbose=verbose, callbacks=[norms, monitor, board]
+            x,
+            y,
+            batch_size=128,
+            epochs=epochs,
+            shuffle=False,
+            verbose=verbose,
+            callbacks=[norms, monitor, board],
         )
     path = os.path.join(logdir, f"{kind}_grad_norms.csv")
     with open(path, "w", newline="") as f:

@@ -16,20 +16,29 @@ of the total loss, not of one output). The dict is empty while there is
 nothing to report (no training step since the last reset).
 """
 
+import contextlib
 import math
 import numbers
 from collections.abc import Callable
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from keras_keepgrad import _capture
 from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _grad_stats
-from keras_keepgrad import _keeper
-from keras_keepgrad import _stats
+
+if _compat.BACKEND == "jax":
+    # The same arithmetic, in `keras.ops`, and the JAX keeper's step view.
+    from keras_keepgrad import _keeper_jax as _keeper
+    from keras_keepgrad._keeper_jax import shared_squares as _shared_squares
+    from keras_keepgrad._keeper_jax import tf_ops as tf
+else:
+    import tensorflow as tf
+
+    from keras_keepgrad import _keeper
+    from keras_keepgrad._stats import shared_squares as _shared_squares
 
 __all__ = [
     "GradientCosine",
@@ -228,7 +237,7 @@ class GradientMetric(keras.metrics.Metric):
                 f"The `fn` of GradientMetric {self.name!r} must return a scalar. Received: None"
             )
         value = tf.convert_to_tensor(value)
-        if value.shape.rank != 0:
+        if value.ndim != 0:
             raise ValueError(
                 f"The `fn` of GradientMetric {self.name!r} must return a "
                 f"scalar. Received: a tensor of shape {value.shape}. Reduce "
@@ -434,8 +443,8 @@ class GradientNorm(_PerLayerMixin, GradientMetric):
 
     def _step_values(self, grads):
         # The step's sums of squares, shared with the other norm metrics
-        # and the callbacks' statistics (`_stats`).
-        squares = _stats.shared_squares(grads)
+        # and the callbacks' statistics.
+        squares = _shared_squares(grads)
         if not self.per_layer:
             return {self.name: _sqrt32(tf.reduce_sum(squares))}
         layers = _layer_squares(grads, squares)
@@ -498,7 +507,7 @@ class NonFiniteGradients(GradientMetric):
     def _step_values(self, grads):
         # A finite sum of squares has finite entries; a non-finite one may
         # be a float32 overflow, which the entries themselves tell apart.
-        squares = _stats.shared_squares(grads)
+        squares = _shared_squares(grads)
 
         def entries_finite():
             finite = [tf.reduce_all(tf.math.is_finite(_float32(g))) for g in grads.values()]
@@ -556,7 +565,7 @@ class VanishingGradients(GradientMetric):
     def _step_values(self, grads):
         if not grads:
             return {self.name: tf.constant(0.0)}
-        layers = _layer_squares(grads, _stats.shared_squares(grads))
+        layers = _layer_squares(grads, _shared_squares(grads))
         small = [tf.cast(_sqrt32(s) < self.threshold, tf.float32) for s in layers.values()]
         return {self.name: tf.add_n(small) / float(len(small))}
 
@@ -622,6 +631,8 @@ class UpdateRatio(_PerLayerMixin, GradientMetric):
         )
 
     def _measure(self, grads):
+        if _compat.BACKEND == "jax":
+            return self._measure_from_updates(grads)
         variables = _keeper.current_step_variables()
         if variables is None:
             raise ValueError(
@@ -651,8 +662,33 @@ class UpdateRatio(_PerLayerMixin, GradientMetric):
         counted = tf.reduce_all(tf.stack(primed)) if primed else None
         return values, counted
 
+    def _measure_from_updates(self, grads):
+        # On JAX the step sees each update's before and after values, as
+        # `stateless_apply` takes and returns them: no copies are kept.
+        updates = _keeper.current_step_updates()
+        if any(path not in updates for path in grads):
+            # Updated without an optimizer: not seen, not counted.
+            keys = self._keys_for(list(grads))
+            return {key: tf.constant(0.0) for key in keys}, tf.constant(False)
+        deltas, befores = {}, {}
+        for path in grads:
+            before, after = updates[path]
+            befores[path] = tf.cast(before, tf.float32)
+            deltas[path] = tf.cast(after, tf.float32) - befores[path]
+
+        def ratio(paths):
+            return tf.math.divide_no_nan(
+                _norm([deltas[p] for p in paths]), _norm([befores[p] for p in paths])
+            )
+
+        if self.per_layer:
+            return self._per_layer(_group_by_layer({p: p for p in grads}), ratio), None
+        return {self.name: ratio(list(grads))}, None
+
     def _build_for(self, variables):
         super()._build_for(variables)
+        if _compat.BACKEND == "jax":
+            return
         for variable in variables:
             self._copy_of(variable.path, variable, before_update=True)
 
@@ -710,7 +746,8 @@ def build_gradient_metrics(model):
     if not metrics:
         return
     variables = list(model.trainable_variables)
-    with model.distribute_strategy.scope():
+    strategy = getattr(model, "distribute_strategy", None)  # TensorFlow's only
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
         for metric in metrics:
             metric._build_for(variables)
 

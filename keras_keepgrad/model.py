@@ -10,14 +10,20 @@ import warnings
 from typing import Any
 
 import keras
-import tensorflow as tf
 from keras import tree
 
 from keras_keepgrad import _capture
 from keras_keepgrad import _checks
 from keras_keepgrad import _compat
-from keras_keepgrad import _keeper
 from keras_keepgrad import _saving
+
+# The backend's keeping mechanism; the JAX one does not import TensorFlow.
+if _compat.BACKEND == "jax":
+    from keras_keepgrad import _keeper_jax as _keeper
+else:
+    import tensorflow as tf
+
+    from keras_keepgrad import _keeper
 from keras_keepgrad import metrics as metrics_lib
 
 __all__ = ["KeepGradModel", "keep_gradients"]
@@ -36,7 +42,8 @@ def _check_keep_every(value):
 
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(path)) + os.sep
-    for path in (keras.__file__, tf.__file__, __file__)
+    for path in (keras.__file__, _keeper.__file__, __file__)
+    + ((tf.__file__,) if _compat.BACKEND == "tensorflow" else ())
 )
 
 
@@ -60,9 +67,10 @@ def _keeping(train_step):
     """
 
     @functools.wraps(train_step)
-    def keeping(self, data):
+    def keeping(self, *args, **kwargs):
+        # `(data)` on TensorFlow, `(state, data)` on JAX.
         with _keeping_context(self):
-            return train_step(self, data)
+            return train_step(self, *args, **kwargs)
 
     keeping._keeps = True
     return keeping
@@ -86,9 +94,9 @@ def _marking_evaluation(test_step):
     """`test_step`, run as an evaluation step (`_keeper.evaluation_step`)."""
 
     @functools.wraps(test_step)
-    def marked(self, data):
+    def marked(self, *args, **kwargs):
         with _keeper.evaluation_step():
-            return test_step(self, data)
+            return test_step(self, *args, **kwargs)
 
     marked._marks_evaluation = True
     return marked
@@ -174,7 +182,7 @@ class KeepGradModel(keras.Model):
             # without its rewrite of every base class up to `keras.Model`,
             # which would turn `KeepGradModel` itself into a `Functional`
             # subclass and break `class Net(KeepGradModel)` afterwards.
-            _compat.TensorFlowTrainer.__init__(self)
+            _compat.BackendTrainer.__init__(self)
             _compat.Functional.__init__(self, *args, **kwargs)
         else:
             super().__init__(*args, **kwargs)
@@ -232,6 +240,8 @@ class KeepGradModel(keras.Model):
     # Training ----------------------------------------------------------
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        if _compat.BACKEND != "tensorflow":
+            return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
         if iterator is not None and _compat.collective_multi_worker(self.distribute_strategy):
             # Keras 3.15 pulls a batch and `strategy.reduce`s it, which
             # fails under `MultiWorkerMirroredStrategy`
@@ -244,7 +254,10 @@ class KeepGradModel(keras.Model):
                 return
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
-    def _make_function(self, step_function):
+    def _make_function(self, step_function, *args, **kwargs):
+        if _compat.BACKEND != "tensorflow":
+            # The keeping step is made by `_keeper_jax.make_train_function`.
+            return super()._make_function(step_function, *args, **kwargs)
         keeping = self._keep_gradients and step_function == self.train_step
         if _compat.collective_multi_worker(self.distribute_strategy):
             step_function = _keeper.with_batch_axis(step_function)
@@ -263,6 +276,8 @@ class KeepGradModel(keras.Model):
 
     def _new_keeper(self):
         """A keeper with no slots yet, set up for how the model trains."""
+        if _compat.BACKEND != "tensorflow":
+            return _keeper.GradientKeeper(every=self._keep_every)
         writes_after_xla = self._writes_sparse_after_xla()
         return _keeper.GradientKeeper(
             self.distribute_strategy,
@@ -282,6 +297,8 @@ class KeepGradModel(keras.Model):
 
     def _writes_sparse_after_xla(self):
         """Whether the step is compiled with XLA, sparse slots written after it."""
+        if _compat.BACKEND != "tensorflow":
+            return False
         return _keeper.writes_sparse_after_xla(
             self.jit_compile, self.run_eagerly, self._distribute_strategy
         )
@@ -300,7 +317,11 @@ class KeepGradModel(keras.Model):
 
     @jit_compile.setter
     def jit_compile(self, value):
-        if value and self.distribute_strategy.num_replicas_in_sync > 1:
+        if (
+            value
+            and _compat.BACKEND == "tensorflow"
+            and self.distribute_strategy.num_replicas_in_sync > 1
+        ):
             warnings.warn(
                 "`jit_compile=True` is not supported under a `tf.distribute` "
                 "strategy with several replicas (Keras's own step fails: XLA "
@@ -323,6 +344,8 @@ class KeepGradModel(keras.Model):
             # traced, from what its optimizers receive.
             self._keeper = self._new_keeper()
             metrics_lib.build_gradient_metrics(self)
+            if _compat.BACKEND == "jax":
+                return _keeper.make_train_function(self)
         return super().make_train_function(force=force)
 
     def keep_step_gradients(self, grads, variables):
@@ -466,7 +489,11 @@ class KeepGradModel(keras.Model):
 
     @property
     def gradient_dtypes(self):
-        """`{variable path: tf.DType}` of the kept gradients (flat)."""
+        """`{variable path: dtype}` of the kept gradients (flat).
+
+        A `tf.DType` on TensorFlow, a NumPy dtype on JAX; both compare
+        equal to dtype names (`"float32"`).
+        """
         return self._checked_keeper().slot_dtypes()
 
     def get_gradients_by_path(self):

@@ -1012,15 +1012,18 @@ def test_keep_gradients_rejects_what_is_not_a_model():
 
 
 def test_other_backends_are_refused_with_a_clear_error(monkeypatch):
-    # Only TensorFlow is installed here, so the check is exercised as it
-    # reads the backend: through `keras.backend.backend()`.
-    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
-    match = r"requires the TensorFlow backend.*KERAS_BACKEND='jax'.*KERAS_BACKEND=tensorflow"
+    # The check reads the backend through `keras.backend.backend()`; the
+    # error names the backends that work.
+    monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
+    match = (
+        r"requires the TensorFlow or the JAX backend.*KERAS_BACKEND='torch'"
+        r".*KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax"
+    )
     with pytest.raises(RuntimeError, match=match):
         one_weight()
     monkeypatch.undo()
     plain = one_weight(cls=keras.Model)
-    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
     with pytest.raises(RuntimeError, match=match):
         kg.keep_gradients(plain)
 

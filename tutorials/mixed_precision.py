@@ -62,10 +62,12 @@ for step in range(1, STEPS + 1):
     w_before = float(layer.kernel.numpy()[0, 0])
     model.train_on_batch(x, y)
     grad = model.gradients["dense_0"]["kernel"]
-    rows.append((step, scale_before, w_before, float(grad.numpy()[0, 0]), grad.dtype.name))
+    # `np.asarray` reads a TensorFlow tensor and a JAX array alike.
+    value, dtype = float(np.asarray(grad)[0, 0]), keras.backend.standardize_dtype(grad.dtype)
+    rows.append((step, scale_before, w_before, value, dtype))
     print(
         f"step {step}: scale {scale_before:>7.0f}  w {w_before:.6f}  "
-        f"kept grad {float(grad.numpy()[0, 0]):>10.6f} ({grad.dtype.name})"
+        f"kept grad {value:>10.6f} ({dtype})"
     )
 
 # %%
@@ -95,5 +97,5 @@ reference = kg.KeepGradModel(
 )
 reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
 reference.train_on_batch(x, y)
-print("float32 kept gradient:", float(reference.gradients["dense_0"]["kernel"].numpy()[0, 0]))
-assert float(reference.gradients["dense_0"]["kernel"].numpy()[0, 0]) == finite[0][3]
+print("float32 kept gradient:", float(np.asarray(reference.gradients["dense_0"]["kernel"])[0, 0]))
+assert float(np.asarray(reference.gradients["dense_0"]["kernel"])[0, 0]) == finite[0][3]

@@ -1,0 +1,513 @@
+"""The keeping mechanism on JAX: slots threaded through the jitted step.
+
+On Keras's JAX backend a training step is a pure function,
+`train_step(state, data) -> (logs, state)`, that `fit` jits and calls with
+the model's state (trainable, non-trainable, optimizer and metrics
+variables as arrays), donating the state's buffers to the call. The
+optimizers update nothing in place: `optimizer.stateless_apply` returns
+the new values.
+
+Keeping follows that model. `_capture` hands this keeper the gradients
+each `stateless_apply` (or a stateful `apply` inside a `StatelessScope`)
+receives, while the step is traced; `unscale` turns them into what the
+update receives. The training function is `step(state, slots, data) ->
+(logs, state, kept)`: the kept gradients leave the jitted step as outputs,
+next to the state, and the previous slots go in as donated inputs whose
+buffers XLA reuses for them (so keeping holds one parameter-sized buffer,
+not two). Between steps the keeper holds the slots as plain arrays, outside
+the model's variables: they are never in `model.weights`, saved files or
+exports. Their shapes and dtypes come from `jax.eval_shape` of the real
+step, traced once before its first call.
+
+Consequence of the donation: `model.gradients` are the slot arrays
+themselves, valid until the next step that writes them starts. A reader
+that needs them longer copies them (`np.asarray`), as the callbacks of this
+package do.
+
+Nothing here imports TensorFlow. Written against Keras 3.15's JAX trainer;
+besides its public API it reads `optimizer._trainable_variables` (what the
+values `stateless_apply` takes pair with), `model._get_state_sharding_spec()`
+and `model._make_function()` (as `JAXTrainer.make_train_function` does).
+"""
+
+import contextlib
+import functools
+import itertools
+import threading
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import keras
+from keras import StatelessScope
+from keras import ops
+
+from keras_keepgrad import _capture
+
+__all__ = [
+    "GradientKeeper",
+    "current_step_gradients",
+    "current_step_updates",
+    "current_step_variables",
+    "densify",
+    "evaluation_step",
+    "in_evaluation_step",
+    "make_train_function",
+    "nest_by_path",
+    "shared_squares",
+    "tf_ops",
+    "unscale",
+]
+
+
+def unscale(optimizer, variables, grads):
+    """What the optimizer's update receives, from the scaled gradients.
+
+    As on TensorFlow (`_keeper.unscale`), mirroring Keras 3.15: a
+    `LossScaleOptimizer` divides by its dynamic scale with `ops.divide`
+    (float16 gradients become float32), any other optimizer by its static
+    `loss_scale_factor`; `overwrite_with_gradient` variables are kept raw; a
+    None gradient is kept as zeros of the variable's dtype. Reads the
+    optimizer's variables as the enclosing `StatelessScope` maps them.
+    """
+    divide = None
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        scale = optimizer.dynamic_scale if optimizer.built else optimizer.initial_scale
+        scale = ops.convert_to_tensor(scale, dtype="float32")
+
+        def divide(t):
+            return ops.divide(t, scale)
+
+    elif optimizer is not None and optimizer.loss_scale_factor is not None:
+        factor = optimizer.loss_scale_factor
+
+        def divide(t):
+            return t / factor
+
+    unscaled = []
+    for variable, grad in zip(variables, grads):
+        if grad is None:
+            grad = jnp.zeros(variable.shape, dtype=variable.dtype)
+        if divide is not None and not getattr(variable, "overwrite_with_gradient", False):
+            grad = divide(grad)
+        unscaled.append(grad)
+    return unscaled
+
+
+def densify(grad):
+    """The gradient as an array (JAX gradients are always dense)."""
+    return ops.convert_to_tensor(grad)
+
+
+def nest_by_path(flat):
+    """`{"a/b/c": x}` -> `{"a": {"b": {"c": x}}}`, as `get_state_tree()` nests."""
+    nested = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split("/")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested
+
+
+_evaluation = threading.local()
+
+
+@contextlib.contextmanager
+def evaluation_step():
+    """Marks a test step: gradient metrics skip it instead of failing."""
+    previous = getattr(_evaluation, "active", False)
+    _evaluation.active = True
+    try:
+        yield
+    finally:
+        _evaluation.active = previous
+
+
+def in_evaluation_step():
+    """Whether a `KeepGradModel` test step is being traced or run."""
+    return getattr(_evaluation, "active", False)
+
+
+def current_step_gradients():
+    """The `{path: grad}` kept so far in the training step being traced, else None.
+
+    Under a `keras.distribution` the step computes on global arrays, so
+    these are the global batch's gradients.
+    """
+    step = _capture.current_step()
+    return None if step is None else step.grads
+
+
+def current_step_variables():
+    """`{path: value after the update}` of what the step kept, else None.
+
+    Only variables whose update the keeper saw (through an optimizer).
+    """
+    step = _capture.current_step()
+    if step is None:
+        return None
+    return {path: after for path, (_, after) in step.backend_state.updates.items()}
+
+
+def current_step_updates():
+    """`{path: (value before, value after)}` of the step's optimizer updates."""
+    step = _capture.current_step()
+    return None if step is None else step.backend_state.updates
+
+
+class _TensorFlowSubset:
+    """The few TensorFlow functions the gradient metrics use, in `keras.ops`.
+
+    Same names and semantics, so that the metrics' arithmetic is written
+    once for both backends (`metrics.py` imports this as `tf` on JAX).
+    """
+
+    float32 = "float32"
+    float64 = "float64"
+
+    class nn:
+        @staticmethod
+        def l2_loss(t):
+            return ops.sum(ops.square(t)) / 2.0
+
+    class math:
+        @staticmethod
+        def is_finite(t):
+            return ops.isfinite(t)
+
+        @staticmethod
+        def divide_no_nan(a, b):
+            a, b = ops.convert_to_tensor(a), ops.convert_to_tensor(b)
+            safe = ops.where(ops.equal(b, 0.0), ops.ones_like(b), b)
+            return ops.where(ops.equal(b, 0.0), ops.zeros_like(a), a / safe)
+
+    @staticmethod
+    def cast(t, dtype):
+        return ops.cast(t, dtype)
+
+    @staticmethod
+    def add_n(tensors):
+        return functools.reduce(ops.add, tensors)
+
+    @staticmethod
+    def sqrt(t):
+        return ops.sqrt(t)
+
+    @staticmethod
+    def constant(value, dtype=None):
+        return ops.convert_to_tensor(value, dtype=dtype)
+
+    @staticmethod
+    def convert_to_tensor(value, dtype=None):
+        return ops.convert_to_tensor(value, dtype=dtype)
+
+    @staticmethod
+    def where(condition, x, y):
+        return ops.where(condition, x, y)
+
+    @staticmethod
+    def maximum(x, y):
+        return ops.maximum(x, y)
+
+    @staticmethod
+    def reduce_max(t):
+        return ops.max(t)
+
+    @staticmethod
+    def reduce_all(t):
+        return ops.all(t)
+
+    @staticmethod
+    def abs(t):
+        return ops.abs(t)
+
+    @staticmethod
+    def stack(tensors):
+        return ops.stack(tensors)
+
+    @staticmethod
+    def reduce_sum(t):
+        return ops.sum(t)
+
+    @staticmethod
+    def cond(pred, true_fn, false_fn):
+        return ops.cond(pred, true_fn, false_fn)
+
+    @staticmethod
+    def executing_eagerly():
+        # Only asked outside a training step, where nothing is traced.
+        return True
+
+    @staticmethod
+    def init_scope():
+        # Metric variables made on JAX are made before the step is traced.
+        return contextlib.nullcontext()
+
+
+tf_ops = _TensorFlowSubset
+
+
+def shared_squares(grads_by_path):
+    """float32 `[len(grads)]`: each gradient's sum of squares.
+
+    As `_stats.shared_squares` on TensorFlow, for the norm metrics; XLA
+    computes a repeated sum within the jitted step once.
+    """
+    grads = list(grads_by_path.values())
+    if not grads:
+        return ops.zeros((0,), "float32")
+    return ops.stack([ops.sum(ops.square(ops.cast(g, "float32"))) for g in grads])
+
+
+_KEEPER_SERIALS = itertools.count()
+
+
+class GradientKeeper:
+    """Holds one model's kept gradients on JAX, keyed by variable path.
+
+    The slots are arrays held by this object (not `keras.Variable`s), so
+    they are never in `model.weights` or saved files. `make_train_function`
+    threads them through the jitted step; the keeper counts the steps in
+    Python, around the step, so the step itself has no side effects.
+
+    Args:
+        every: Positive int. Write the slots on steps 1, 1 + every, ...
+
+    Attributes:
+        paths: Paths of the variables the training function keeps, in
+            `model.trainable_variables` order; `()` when its step passed
+            no gradient to any optimizer; None before it was traced.
+        trainable_paths: The model's trainable variable paths when it was
+            traced.
+        slots: The kept gradients, one array per path, or None.
+        compiled_step: `compiled_step(write)`, the (jitted) step function
+            that writes the slots or not, once the training function is
+            made: for inspection, e.g. of its XLA cost.
+    """
+
+    def __init__(self, every=1):
+        self.every = every
+        self.paths = None
+        self.trainable_paths = None
+        self.slots = None
+        self.layouts = None
+        self.compiled_step = None
+        self._serial = next(_KEEPER_SERIALS)
+        self._steps = 0
+        self._written = -1
+        self._warned_missing = False
+
+    @property
+    def built(self):
+        return self.paths is not None
+
+    @property
+    def kept_nothing(self):
+        """Whether the traced step had trainable variables but kept nothing."""
+        return self.paths == () and bool(self.trainable_paths)
+
+    def has_sparse_slots(self):
+        """JAX gradients are dense: never."""
+        return False
+
+    # One training step (traced) -----------------------------------------
+
+    def begin_step(self, step):
+        step.backend_state = types.SimpleNamespace(updates={})
+
+    def end_step(self, step):
+        trainable = [v.path for v in step.model.trainable_variables]
+        order = {path: i for i, path in enumerate(trainable)}
+        kept = sorted(step.grads, key=lambda p: order.get(p, len(order)))
+        missing = [p for p in trainable if p not in step.grads]
+        if kept and missing and not self._warned_missing:
+            self._warned_missing = True
+            warnings.warn(
+                f"The training step of model {step.model.name!r} passed no "
+                f"gradient for the trainable variables {missing} to any "
+                "optimizer, so they have no kept gradient and are absent "
+                "from `model.gradients`. Pass them to "
+                "`optimizer.stateless_apply` (a None gradient is kept as "
+                "zeros), or make them non-trainable.",
+                stacklevel=2,
+            )
+        self.paths = tuple(kept)
+        self.trainable_paths = tuple(trainable)
+
+    def keep_from_stateless(self, step, optimizer, optimizer_variables, grads, values, apply):
+        """Keeps what `optimizer.stateless_apply` receives, then runs it.
+
+        Args:
+            step: The current `_capture.Step`.
+            optimizer: The optimizer whose `stateless_apply` was called.
+            optimizer_variables: Its variables' values, as passed.
+            grads: The gradients it was given (loss-scaled, if the loss
+                was scaled).
+            values: The trainable variables' values, as passed.
+            apply: Runs the optimizer's own `stateless_apply` on a list of
+                gradients.
+
+        Returns:
+            What `apply` returns.
+        """
+        variables = list(optimizer._trainable_variables)
+        mapping = list(zip(optimizer.variables, optimizer_variables))
+        with StatelessScope(state_mapping=mapping):
+            kept = unscale(optimizer, variables, grads)
+        new_values, new_optimizer_variables = apply(grads)
+        step.add(variables, kept, True)
+        for variable, before, after in zip(variables, values, new_values):
+            step.backend_state.updates[variable.path] = (before, after)
+        return new_values, new_optimizer_variables
+
+    def keep_from_optimizer(self, step, optimizer, variables, grads, apply):
+        """Keeps what a stateful `optimizer.apply` receives, then runs it.
+
+        On JAX that is an `apply` inside a `StatelessScope` (which
+        `stateless_apply` opens), or run eagerly.
+        """
+        kept = unscale(optimizer, variables, grads)
+        before = [ops.convert_to_tensor(v) for v in variables]
+        result = apply(grads)
+        step.add(variables, kept, True)
+        for variable, value in zip(variables, before):
+            step.backend_state.updates[variable.path] = (value, ops.convert_to_tensor(variable))
+        return result
+
+    def keep_given(self, step, variables, grads):
+        """Keeps `grads` as given (a step without optimizer); returns them."""
+        kept = [
+            jnp.zeros(v.shape, dtype=v.dtype) if g is None else g for v, g in zip(variables, grads)
+        ]
+        step.add(variables, kept, True)
+        for variable in variables:
+            step.backend_state.updates.pop(variable.path, None)
+        return list(grads)
+
+    # Between steps ------------------------------------------------------
+
+    def writes_next(self):
+        """Whether the next step writes the slots (steps 1, 1 + every, ...)."""
+        return self._steps % self.every == 0
+
+    def stepped(self, kept):
+        """Counts one step; `kept` (or None) are its slots, if it wrote them."""
+        if kept is not None:
+            self.slots = list(kept)
+            self._written = self._steps
+        self._steps += 1
+
+    def last_write(self):
+        """`(write, age)`, as `_keeper.GradientKeeper.last_write`."""
+        if self.every == 1 or self._written < 0:
+            return None, 0
+        return (self._serial, self._written), self._steps - 1 - self._written
+
+    def slot_dtypes(self):
+        """`{path: dtype}` of the slots the training function writes."""
+        return {path: slot.dtype for path, slot in zip(self.paths, self._slot_list())}
+
+    def read(self):
+        """`{path: array}` of the last kept step, in variable order.
+
+        The arrays are the slots: the next step that writes donates them.
+        """
+        return dict(zip(self.paths, self._slot_list()))
+
+    def _slot_list(self):
+        if self.slots is None:
+            raise RuntimeError("No training step wrote the kept gradients yet.")
+        return self.slots
+
+    def restore(self, variables, arrays, strategy=None):
+        """Writes saved dense gradients (`{path: array}`) into the slots."""
+        del strategy
+        self.paths = self.trainable_paths = tuple(v.path for v in variables)
+        slots = []
+        for variable in variables:
+            value = jnp.asarray(arrays[variable.path])
+            layout = (self.layouts or {}).get(variable.path)
+            slots.append(value if layout is None else jax.device_put(value, layout))
+        self.slots = slots
+
+    def slot_variables(self):
+        """Every array the keeper holds (for tests and saving)."""
+        return list(self.slots or ())
+
+
+def _zeros_like(shapes, layouts):
+    slots = []
+    for shape, layout in zip(shapes, layouts):
+        zeros = jnp.zeros(shape.shape, shape.dtype)
+        slots.append(zeros if layout is None else jax.device_put(zeros, layout))
+    return slots
+
+
+def make_train_function(model):
+    """Sets `model.train_function` to a step that keeps the gradients.
+
+    As Keras 3.15's `JAXTrainer.make_train_function`, with the slots added
+    to what the (jitted, donating) step takes and returns.
+    """
+    keeper = model._keeper
+    distributed = keras.distribution.distribution() is not None
+    state_shardings = model._get_state_sharding_spec() if distributed else None
+    if distributed:
+        # Each slot takes its variable's layout (replicated under
+        # `DataParallel`, sharded as the variable under `ModelParallel`).
+        sharding = {v.path: v.value.sharding for v in model.trainable_variables}
+    jitted = not model.run_eagerly and model.jit_compile
+
+    def step_body(state, slots, data, write):
+        del slots  # donated: XLA writes the new slots into their buffers
+        with _capture.training_step(model, keeper) as step:
+            logs, state = model.train_step(state, data)
+        if not write:
+            return logs, state
+        kept = [densify(step.grads[path]) for path in keeper.paths]
+        return logs, state, kept
+
+    functions = {}
+
+    def compiled(write):
+        function = functions.get(write)
+        if function is None:
+            function = functools.partial(step_body, write=write)
+            if jitted:
+                out_shardings = None
+                if distributed:
+                    slot_shardings = [keeper.layouts[p] for p in keeper.paths]
+                    out_shardings = (None, state_shardings) + ((slot_shardings,) if write else ())
+                # `keep_unused`: the old slots are not read, only donated,
+                # and an unused argument would be dropped with its buffer.
+                function = jax.jit(
+                    function,
+                    donate_argnums=(0, 1),
+                    keep_unused=True,
+                    out_shardings=out_shardings,
+                )
+            functions[write] = function
+        return function
+
+    keeper.compiled_step = compiled
+
+    def train_step(state, data):
+        write = keeper.writes_next()
+        if keeper.slots is None or len(keeper.slots) != len(keeper.paths or ()):
+            # The first step: the slots' shapes and dtypes are those of the
+            # gradients the traced step keeps.
+            shapes = jax.eval_shape(functools.partial(step_body, write=True), state, None, data)[2]
+            keeper.layouts = dict(sharding) if distributed else {}
+            keeper.slots = _zeros_like(shapes, [keeper.layouts.get(p) for p in keeper.paths])
+        if write:
+            logs, state, kept = compiled(True)(state, keeper.slots, data)
+        else:
+            logs, state = compiled(False)(state, None, data)
+            kept = None
+        keeper.stepped(kept)
+        return logs, state
+
+    model.train_function = model._make_function(train_step)
