@@ -46,7 +46,8 @@ SIGNATURES = {
     ),
     kg.metrics.GradientCosine: "(per_layer=False, name='grad_cosine', reduction='mean', **kwargs)",
     kg.callbacks.GradientTensorBoard: (
-        "(log_dir='logs', histogram_freq=0, update_freq='epoch', write_heatmap=True, **kwargs)"
+        "(log_dir='logs', histogram_freq=0, update_freq='epoch', write_heatmap=True, "
+        "gradient_histogram_freq=None, **kwargs)"
     ),
     kg.callbacks.GradientMonitor: (
         "(action='warn', check_nonfinite=True, min_loss_scale=1.0, vanishing_threshold=None, "
