@@ -26,7 +26,10 @@ __all__ = [
     "Step",
     "current_step",
     "do_not_convert",
+    "evaluation_step",
+    "in_evaluation_step",
     "install",
+    "nest_by_path",
     "nothing_kept_message",
     "training_step",
 ]
@@ -70,6 +73,37 @@ class Step:
             self.grads[variable.path] = grad
             self.variables[variable.path] = variable
         self.reduced = self.reduced and reduced
+
+
+def nest_by_path(flat):
+    """`{"a/b/c": x}` -> `{"a": {"b": {"c": x}}}`, as `get_state_tree()` nests."""
+    nested = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split("/")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested
+
+
+_evaluation = threading.local()
+
+
+@contextlib.contextmanager
+def evaluation_step():
+    """Marks a test step: gradient metrics skip it instead of failing."""
+    previous = getattr(_evaluation, "active", False)
+    _evaluation.active = True
+    try:
+        yield
+    finally:
+        _evaluation.active = previous
+
+
+def in_evaluation_step():
+    """Whether a `KeepGradModel` test step is being traced or run."""
+    return getattr(_evaluation, "active", False)
 
 
 def current_step():

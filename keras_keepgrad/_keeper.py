@@ -21,7 +21,6 @@ import collections
 import contextlib
 import itertools
 import re
-import threading
 import types
 import warnings
 
@@ -31,6 +30,9 @@ from keras import ops
 
 from keras_keepgrad import _capture
 from keras_keepgrad import _stats
+from keras_keepgrad._capture import evaluation_step
+from keras_keepgrad._capture import in_evaluation_step
+from keras_keepgrad._capture import nest_by_path
 
 __all__ = [
     "GradientKeeper",
@@ -164,37 +166,6 @@ def densified_in(graph, grads, variables):
             if variable is not None and op.outputs[0].shape == tuple(variable.shape):
                 found.add(variable.path)
     return found
-
-
-def nest_by_path(flat):
-    """`{"a/b/c": x}` -> `{"a": {"b": {"c": x}}}`, as `get_state_tree()` nests."""
-    nested = {}
-    for path, value in flat.items():
-        *parents, leaf = path.split("/")
-        node = nested
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return nested
-
-
-_evaluation = threading.local()
-
-
-@contextlib.contextmanager
-def evaluation_step():
-    """Marks a test step: gradient metrics skip it instead of failing."""
-    previous = getattr(_evaluation, "active", False)
-    _evaluation.active = True
-    try:
-        yield
-    finally:
-        _evaluation.active = previous
-
-
-def in_evaluation_step():
-    """Whether a `KeepGradModel` test step is being traced or run."""
-    return getattr(_evaluation, "active", False)
 
 
 def current_step_variables():

@@ -33,7 +33,6 @@ and `model._make_function()` (as `JAXTrainer.make_train_function` does).
 import contextlib
 import functools
 import itertools
-import threading
 import types
 import warnings
 
@@ -44,6 +43,9 @@ from keras import StatelessScope
 from keras import ops
 
 from keras_keepgrad import _capture
+from keras_keepgrad._capture import evaluation_step
+from keras_keepgrad._capture import in_evaluation_step
+from keras_keepgrad._capture import nest_by_path
 
 __all__ = [
     "GradientKeeper",
@@ -98,37 +100,6 @@ def unscale(optimizer, variables, grads):
 def densify(grad):
     """The gradient as an array (JAX gradients are always dense)."""
     return ops.convert_to_tensor(grad)
-
-
-def nest_by_path(flat):
-    """`{"a/b/c": x}` -> `{"a": {"b": {"c": x}}}`, as `get_state_tree()` nests."""
-    nested = {}
-    for path, value in flat.items():
-        *parents, leaf = path.split("/")
-        node = nested
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return nested
-
-
-_evaluation = threading.local()
-
-
-@contextlib.contextmanager
-def evaluation_step():
-    """Marks a test step: gradient metrics skip it instead of failing."""
-    previous = getattr(_evaluation, "active", False)
-    _evaluation.active = True
-    try:
-        yield
-    finally:
-        _evaluation.active = previous
-
-
-def in_evaluation_step():
-    """Whether a `KeepGradModel` test step is being traced or run."""
-    return getattr(_evaluation, "active", False)
 
 
 def current_step_gradients():
