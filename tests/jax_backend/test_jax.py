@@ -502,3 +502,9 @@ def test_benchmark_smoke_and_the_xla_cost_of_keeping(tmp_path):
         # arithmetic, and moves at most one parameter-sized write more.
         assert r["xla_flops"]["kept"] == r["xla_flops"]["plain"]
         assert 0.0 <= r["extra_bytes_in_parameter_writes"] <= 1.0
+
+
+@pytest.mark.parametrize("name", ["GradientNoiseScale", "GradientSNR", "GradientCosine"])
+def test_training_dynamics_metrics_raise_naming_tensorflow(name):
+    with pytest.raises(NotImplementedError, match="runs on the TensorFlow backend only"):
+        getattr(kg.metrics, name)()
