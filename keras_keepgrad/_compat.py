@@ -20,7 +20,6 @@ if BACKEND == "tensorflow":
     from keras.src.backend.tensorflow.trainer import (
         _collective_all_reduce_multi_worker as collective_multi_worker,
     )
-    from keras.src.losses.loss import unscale_loss_for_distribution
 
     # The trainer class `keras.Model` derives from on this backend.
     BackendTrainer = TensorFlowTrainer
@@ -40,7 +39,6 @@ __all__ = [
     "data_spec_from_epoch_iterator",
     "functional_init_arguments",
     "in_symbolic_build",
-    "unscale_loss_for_distribution",
 ]
 
 
