@@ -99,6 +99,21 @@ class Recorder(keras.callbacks.Callback):
         self.batches.append((self._epoch, batch))
 
 
+def fit_batches(model, n, **fit_kwargs):
+    """Fits `n` identical batches of `X`, `Y` in order; returns their `Recorder`."""
+    rec = Recorder()
+    model.fit(
+        np.tile(X, (n, 1)),
+        np.tile(Y, (n, 1)),
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[rec, *fit_kwargs.pop("callbacks", [])],
+        **fit_kwargs,
+    )
+    return rec
+
+
 def python_env(**extra):
     """The environment of a subprocess that imports this checkout's package."""
     return dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3", **extra)

@@ -22,6 +22,7 @@ from conftest import Recorder
 from conftest import X
 from conftest import Y
 from conftest import dense_0
+from conftest import fit_batches
 from conftest import one_weight
 
 import keras_keepgrad as kg
@@ -61,15 +62,7 @@ def test_every_batch_is_kept_in_order(mode):
     # Three identical batches: 5w with w = 3, 1.5, 0.75.
     model = one_weight()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
-    rec = Recorder()
-    model.fit(
-        np.tile(X, (3, 1)),
-        np.tile(Y, (3, 1)),
-        batch_size=2,
-        shuffle=False,
-        verbose=0,
-        callbacks=[rec],
-    )
+    rec = fit_batches(model, 3)
     assert rec.seen == [15.0, 7.5, 3.75]
     # Before the first step there is no computed gradient to show.
     assert isinstance(rec.at_begin, RuntimeError)
@@ -88,15 +81,7 @@ def test_train_on_batch_keeps_gradients(mode):
 def test_steps_per_execution_callbacks_see_the_last_step():
     model = one_weight()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=3)
-    rec = Recorder()
-    model.fit(
-        np.tile(X, (3, 1)),
-        np.tile(Y, (3, 1)),
-        batch_size=2,
-        shuffle=False,
-        verbose=0,
-        callbacks=[rec],
-    )
+    rec = fit_batches(model, 3)
     # One execution of three steps (15, 7.5, 3.75): the callback sees the last.
     assert rec.seen == [3.75]
 
@@ -188,16 +173,8 @@ def test_kept_gradients_are_unscaled_in_every_scaling_mode(jit):
     for name, make in SCALINGS.items():
         model = one_weight()
         model.compile(optimizer=make(), loss="mse", jit_compile=jit)
-        rec = Recorder()
         # Four steps: the dynamic scale doubles twice on the way.
-        model.fit(
-            np.tile(X, (4, 1)),
-            np.tile(Y, (4, 1)),
-            batch_size=2,
-            shuffle=False,
-            verbose=0,
-            callbacks=[rec],
-        )
+        rec = fit_batches(model, 4)
         seen[name] = (rec.seen, model.get_weights()[0].tolist())
     assert seen["none"][0] == [15.0, 7.5, 3.75, 1.875]
     assert seen["static"] == seen["none"]
@@ -212,15 +189,7 @@ def test_mixed_precision_policies_end_to_end(policy):
     if policy == "mixed_float16":
         # Keras wraps the optimizer itself under mixed_float16.
         assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
-    rec = Recorder()
-    model.fit(
-        np.tile(X, (4, 1)),
-        np.tile(Y, (4, 1)),
-        batch_size=2,
-        shuffle=False,
-        verbose=0,
-        callbacks=[rec],
-    )
+    rec = fit_batches(model, 4)
     # 3, 6, 1.5, 3 and their squares are exact in float16 and bfloat16.
     if policy == "mixed_bfloat16":
         assert rec.seen == [15.0, 7.5, 3.75, 1.875]
@@ -274,15 +243,7 @@ def test_step_skipped_by_dynamic_scaling_keeps_its_non_finite_gradients():
         keras.optimizers.SGD(0.1), initial_scale=32768.0
     )
     model.compile(optimizer=optimizer, loss="mse")
-    rec = Recorder()
-    model.fit(
-        np.tile(X, (4, 1)),
-        np.tile(Y, (4, 1)),
-        batch_size=2,
-        shuffle=False,
-        verbose=0,
-        callbacks=[rec],
-    )
+    rec = fit_batches(model, 4)
     assert [np.isfinite(g) for g in rec.seen] == [False, False, False, True]
     assert rec.seen[3] == 15.0  # the skipped steps left w = 3 unchanged
     np.testing.assert_array_equal(model.get_weights()[0], [[1.5]])
@@ -311,10 +272,8 @@ def test_kept_gradients_are_pre_transform(options):
         return model
 
     kept, plain, one_step = compiled(kg.KeepGradModel), compiled(keras.Model), compiled(keras.Model)
-    rec = Recorder()
-    data = np.tile(X, (2, 1)), np.tile(Y, (2, 1))
-    kept.fit(*data, batch_size=2, shuffle=False, verbose=0, callbacks=[rec])
-    plain.fit(*data, batch_size=2, shuffle=False, verbose=0)
+    rec = fit_batches(kept, 2)
+    plain.fit(np.tile(X, (2, 1)), np.tile(Y, (2, 1)), batch_size=2, shuffle=False, verbose=0)
     one_step.fit(X, Y, batch_size=2, verbose=0)
     # The optimizer transformed the updates exactly as for a plain model ...
     np.testing.assert_array_equal(kept.get_weights()[0], plain.get_weights()[0])
@@ -1031,15 +990,7 @@ def test_other_backends_are_refused_with_a_clear_error(monkeypatch):
 def test_keep_every_writes_steps_1_3_5_and_holds_between(mode):
     model = one_weight(keep_every=2)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
-    rec = Recorder()
-    model.fit(
-        np.tile(X, (5, 1)),
-        np.tile(Y, (5, 1)),
-        batch_size=2,
-        shuffle=False,
-        verbose=0,
-        callbacks=[rec],
-    )
+    rec = fit_batches(model, 5)
     # 5w at w = 3, 1.5, 0.75, 0.375, 0.1875; only steps 1, 3, 5 are written.
     assert rec.seen == [15.0, 15.0, 3.75, 3.75, 0.9375]
     assert model.get_config()["keep_every"] == 2
