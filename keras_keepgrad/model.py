@@ -17,9 +17,14 @@ from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _saving
 
-# The backend's keeping mechanism; the JAX one does not import TensorFlow.
+# The backend's keeping mechanism; the JAX and PyTorch ones do not import
+# TensorFlow.
 if _compat.BACKEND == "jax":
     from keras_keepgrad import _keeper_jax as _keeper
+elif _compat.BACKEND == "torch":
+    import torch
+
+    from keras_keepgrad import _keeper_torch as _keeper
 else:
     import tensorflow as tf
 
@@ -44,6 +49,7 @@ _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(path)) + os.sep
     for path in (keras.__file__, _keeper.__file__, __file__)
     + ((tf.__file__,) if _compat.BACKEND == "tensorflow" else ())
+    + ((torch.__file__,) if _compat.BACKEND == "torch" else ())
 )
 
 
@@ -68,7 +74,7 @@ def _keeping(train_step):
 
     @functools.wraps(train_step)
     def keeping(self, *args, **kwargs):
-        # `(data)` on TensorFlow, `(state, data)` on JAX.
+        # `(data)` on TensorFlow and PyTorch, `(state, data)` on JAX.
         with _keeping_context(self):
             return train_step(self, *args, **kwargs)
 
@@ -276,6 +282,8 @@ class KeepGradModel(keras.Model):
 
     def _new_keeper(self):
         """A keeper with no slots yet, set up for how the model trains."""
+        if _compat.BACKEND == "torch":
+            return _keeper.GradientKeeper(every=self._keep_every, name=self.name)
         if _compat.BACKEND != "tensorflow":
             return _keeper.GradientKeeper(every=self._keep_every)
         writes_after_xla = self._writes_sparse_after_xla()
@@ -346,6 +354,9 @@ class KeepGradModel(keras.Model):
             metrics_lib.build_gradient_metrics(self)
             if _compat.BACKEND == "jax":
                 return _keeper.make_train_function(self)
+            if _compat.BACKEND == "torch":
+                # `UpdateRatio` compares each update's before and after.
+                self._keeper.record_updates = metrics_lib.measures_updates(self)
         return super().make_train_function(force=force)
 
     def keep_step_gradients(self, grads, variables):

@@ -369,8 +369,8 @@ def test_no_tensorflow_in_the_step():
 
 
 def test_other_backends_named_in_the_error(monkeypatch):
-    monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
-    match = r"requires the TensorFlow or the JAX backend.*KERAS_BACKEND='torch'"
+    monkeypatch.setattr(keras.backend, "backend", lambda: "numpy")
+    match = r"requires the TensorFlow, the JAX or the PyTorch backend.*KERAS_BACKEND='numpy'"
     with pytest.raises(RuntimeError, match=match):
         one_weight()
 
