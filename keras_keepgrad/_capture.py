@@ -19,7 +19,6 @@ at the outermost call: what the user's step handed over.
 import contextlib
 import functools
 import threading
-
 import warnings
 
 import keras

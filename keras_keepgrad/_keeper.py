@@ -22,11 +22,9 @@ import contextlib
 import itertools
 import re
 import types
-import warnings
 
 import keras
 import tensorflow as tf
-from keras import ops
 
 from keras_keepgrad import _capture
 from keras_keepgrad import _stats

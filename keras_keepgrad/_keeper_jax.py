@@ -30,11 +30,9 @@ values `stateless_apply` takes pair with), `model._get_state_sharding_spec()`
 and `model._make_function()` (as `JAXTrainer.make_train_function` does).
 """
 
-import contextlib
 import functools
 import itertools
 import types
-import warnings
 
 import jax
 import jax.numpy as jnp

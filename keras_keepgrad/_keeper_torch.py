@@ -291,4 +291,3 @@ class GradientKeeper:
     def slot_variables(self):
         """Every tensor the keeper holds (for tests and saving)."""
         return list((self.slots or {}).values())
-
