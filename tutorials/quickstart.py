@@ -69,7 +69,9 @@ assert "grad_norm" not in model.evaluate(x, y, verbose=0, return_dict=True)
 # The last batch's gradients themselves, shaped like the variables:
 
 # %%
-grads = model.gradients
+# As NumPy arrays: the leaves are the backend's tensors (`tf.Tensor`,
+# `jax.Array` or `torch.Tensor`), which `keras.ops.convert_to_numpy` reads.
+grads = keras.tree.map_structure(keras.ops.convert_to_numpy, model.gradients)
 for layer, variables in grads.items():
     for name, g in variables.items():
         print(f"{layer}/{name}: shape {tuple(g.shape)}, |g| = {float(np.linalg.norm(g)):.4f}")
