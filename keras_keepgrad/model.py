@@ -212,6 +212,8 @@ class KeepGradModel(keras.Model):
             # The training function is traced with or without keeping.
             self.train_function = None
         self._keep_gradients = value
+        if value and _compat.BACKEND == "torch" and getattr(self, "_jit_compile", False):
+            keras.Model.jit_compile.fset(self, self._refuse_torch_compile(True))
 
     @property
     def save_gradients(self):
@@ -317,7 +319,9 @@ class KeepGradModel(keras.Model):
 
         Under a `tf.distribute` strategy with several replicas XLA cannot
         compile Keras's step (it reads each replica's variables from one
-        device), so `True` falls back to `False` with a warning.
+        device), so `True` falls back to `False` with a warning. So it does
+        on PyTorch while the model keeps gradients (`torch.compile`: see
+        `_refuse_torch_compile`).
         """
         if getattr(getattr(self, "_pending", None), "xla_inside_step", False):
             return False  # only while `_make_function` wraps an XLA step
@@ -341,7 +345,32 @@ class KeepGradModel(keras.Model):
                 stacklevel=_user_stacklevel(),
             )
             value = False
+        if value and getattr(self, "_keep_gradients", False):
+            value = self._refuse_torch_compile(value)
         keras.Model.jit_compile.fset(self, value)
+
+    def _refuse_torch_compile(self, value):
+        """`value`, or False with a warning on PyTorch.
+
+        Keeping holds the gradient tensors the optimizers receive and reads
+        them between the pieces `torch.compile` splits the step into (at
+        `loss.backward()` and at the keeping itself); the compiled pieces
+        do not leave those tensors as the optimizer received them (their
+        version counters move under a compiled `Adam` update), and gradient
+        metrics fail to trace. Eager is Keras's default on PyTorch anyway.
+        """
+        if _compat.BACKEND != "torch":
+            return value
+        warnings.warn(
+            "`jit_compile=True` (`torch.compile`) is not supported by a "
+            "`KeepGradModel` that keeps gradients on the PyTorch backend: the "
+            "compiled step does not guarantee to leave the gradient tensors "
+            "as its optimizers received them. Proceeding with "
+            "`jit_compile=False` (eager, Keras's default on PyTorch). "
+            f"Received: jit_compile={value!r}.",
+            stacklevel=_user_stacklevel(),
+        )
+        return False
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
@@ -510,6 +539,17 @@ class KeepGradModel(keras.Model):
     def get_gradients_by_path(self):
         """The last training batch's gradients as `{variable path: tensor}`."""
         return self._checked_keeper().read()
+
+    if _compat.BACKEND == "torch":
+
+        def __getattr__(self, name):
+            # Only reached when normal lookup fails. `torch.nn.Module`'s
+            # `__getattr__` would replace the AttributeError that a property
+            # of this class raised (`gradients` of a model that keeps none)
+            # with "no attribute": raise the property's own again.
+            if isinstance(vars(KeepGradModel).get(name), property):
+                return object.__getattribute__(self, name)
+            return super().__getattr__(name)
 
 
 @keras.saving.register_keras_serializable(package="keras_keepgrad")

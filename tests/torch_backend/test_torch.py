@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import W0
+from conftest import Recorder
 from conftest import X
 from conftest import Y
-from conftest import Recorder
 from conftest import dense_0
 from conftest import kernel
 from conftest import one_weight
@@ -220,6 +220,27 @@ def test_steps_per_execution_is_refused_by_keras_on_torch():
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=2)
     with pytest.raises(ValueError, match="`steps_per_execution` must be 1 with the PyTorch"):
         model.fit(np.tile(X, (4, 1)), np.tile(Y, (4, 1)), batch_size=2, verbose=0)
+
+
+def test_jit_compile_falls_back_to_eager_with_a_warning():
+    model = one_weight()
+    with pytest.warns(UserWarning, match=r"`jit_compile=True` \(`torch.compile`\) is not supp"):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+    assert model.jit_compile is False
+    rec = Recorder()
+    fit_batches(model, 2, rec)
+    assert rec.seen == [15.0, 7.5]
+
+
+def test_jit_compile_stays_for_a_model_that_keeps_nothing_until_keeping_is_on():
+    model = one_weight(keep_gradients=False)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+    assert model.jit_compile is True  # a plain `keras.Model` in everything
+    with pytest.warns(UserWarning, match="Proceeding with `jit_compile=False`"):
+        model.keep_gradients = True
+    assert model.jit_compile is False
+    model.fit(X, Y, batch_size=2, verbose=0)
+    assert float(kernel(model)[0, 0]) == 15.0
 
 
 # The held tensors ---------------------------------------------------------
