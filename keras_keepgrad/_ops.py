@@ -20,7 +20,7 @@ class _TensorFlowSubset:
     """The few TensorFlow functions the gradient metrics use, in `keras.ops`.
 
     Same names and semantics, so that the metrics' arithmetic is written
-    once for both backends (`metrics.py` imports this as `tf` off TensorFlow).
+    once for every backend (`metrics.py` imports this as `tf` off TensorFlow).
     """
 
     float32 = "float32"

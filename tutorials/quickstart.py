@@ -42,7 +42,8 @@ outputs = keras.layers.Dense(1, name="head")(hidden)
 model = kg.KeepGradModel(inputs, outputs)
 # Keras's initializers draw from the backend's own random generator; drawn
 # from NumPy's (the same Glorot-uniform kernels, zero biases), and with the
-# batches in order, the numbers below are the same on TensorFlow and JAX.
+# batches in order, the numbers below are the same on TensorFlow, JAX and
+# PyTorch.
 for kernel in (model.get_layer("hidden").kernel, model.get_layer("head").kernel):
     limit = np.sqrt(6.0 / sum(kernel.shape))
     kernel.assign(rng.uniform(-limit, limit, kernel.shape).astype("float32"))
