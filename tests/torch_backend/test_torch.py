@@ -213,6 +213,23 @@ def test_float16_variables_keep_the_dtype_their_update_receives():
     assert float(model.get_weights()[0][0, 0]) == 1.5
 
 
+def test_adam_clipping_and_weight_decay_leave_the_held_gradient_as_received():
+    # Adam's `torch._foreach_*_` updates, `clipnorm` and AdamW's decay read
+    # the gradient and write other tensors: the held `.grad` stays 5w,
+    # unclipped. Adam's first step moves w by lr: 3 -> 2.9 (decay first:
+    # 3 * (1 - 0.01 * 0.1) = 2.997, then 2.897).
+    for optimizer, w1 in [
+        (keras.optimizers.Adam(0.1, clipnorm=1.0), 2.9),
+        (keras.optimizers.AdamW(0.1, weight_decay=0.01, clipvalue=1.0), 2.897),
+    ]:
+        model = one_weight()
+        rec = Recorder()
+        model.compile(optimizer=optimizer, loss="mse")
+        fit_batches(model, 2, rec)
+        assert rec.seen[0] == 15.0
+        assert rec.seen[1] == pytest.approx(5.0 * w1, rel=1e-5)  # 5w at w1
+
+
 def test_steps_per_execution_is_refused_by_keras_on_torch():
     # Keras 3.15's PyTorch trainer runs one step per execution and says so;
     # KeepGradModel leaves that error as it is.
