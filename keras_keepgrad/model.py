@@ -531,8 +531,8 @@ class KeepGradModel(keras.Model):
     def gradient_dtypes(self):
         """`{variable path: dtype}` of the kept gradients (flat).
 
-        A `tf.DType` on TensorFlow, a NumPy dtype on JAX; both compare
-        equal to dtype names (`"float32"`).
+        A `tf.DType` on TensorFlow, a NumPy dtype on JAX and PyTorch; all
+        compare equal to dtype names (`"float32"`).
         """
         return self._checked_keeper().slot_dtypes()
 
