@@ -10,6 +10,7 @@ mse. loss = mean((w*x)^2), so d/dw = 5w = 15; with SGD(0.1) w' = 1.5, then
 5w' = 7.5, then 3.75.
 """
 
+import h5py
 import keras
 import numpy as np
 import pytest
@@ -155,8 +156,15 @@ def test_kept_gradients_are_not_weights_and_save_only_when_asked(tmp_path):
     fresh.load_weights(path)
     assert float(fresh.get_weights()[0][0, 0]) == 1.5
 
+    with h5py.File(path) as f:
+        assert "_kept_gradients" not in str(list(f.keys())) and "vars" in f["layers/dense"]
+
     saving = one_weight(save_gradients=True)
     fit_once(saving)
+    with_grads = str(tmp_path / "kept.weights.h5")
+    saving.save_weights(with_grads)
+    with h5py.File(with_grads) as f:
+        assert f["_kept_gradients/vars/0:dense_0%2Fkernel"][()].tolist() == [[15.0]]
     path = str(tmp_path / "kept.keras")
     saving.save(path)
     restored = keras.saving.load_model(path)

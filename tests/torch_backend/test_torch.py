@@ -11,6 +11,8 @@ mse. loss = mean((w*x)^2), so d/dw = 5w = 15; with SGD(0.1) w' = 1.5, then
 5w' = 7.5, then 3.75.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -48,6 +50,19 @@ def fit_batches(model, batches, callback):
         verbose=0,
         callbacks=[callback],
     )
+
+
+def user_warnings(fn, *args, **kwargs):
+    """The UserWarnings `fn(*args, **kwargs)` warns, as strings.
+
+    Not `pytest.warns`, which re-raises every other warning with its origin
+    lost, here Keras's own DeprecationWarning (ignored in `pyproject.toml`)
+    as it turns a step's torch tensors into the logs' NumPy values.
+    """
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fn(*args, **kwargs)
+    return [str(w.message) for w in seen if w.category is UserWarning]
 
 
 def reference_grad(w):
@@ -162,7 +177,7 @@ def test_keep_step_gradients_without_optimizer():
             grads = self.keep_step_gradients([v.value.grad for v in variables], variables)
             with torch.no_grad():
                 for v, g in zip(variables, grads):
-                    v.assign(v - 0.1 * g)
+                    v.assign(v.value - 0.1 * g)
             return {"loss": loss.detach()}
 
     inputs = keras.Input((1,))
@@ -172,9 +187,19 @@ def test_keep_step_gradients_without_optimizer():
     assert float(model.get_weights()[0][0, 0]) == 1.5
 
 
-def test_loss_scale_optimizer_keeps_the_unscaled_gradient_once():
+def test_loss_scale_optimizer_keeps_the_unscaled_gradient_once(monkeypatch):
     # Scale 8: the optimizer receives 8 * 15 = 120; its inner SGD receives
     # 15 (its `apply` is not kept a second time, scaled or not).
+    from keras_keepgrad import _keeper_torch
+
+    calls = []
+    keep = _keeper_torch.GradientKeeper.keep_from_optimizer
+
+    def counting(self, step, optimizer, *args):
+        calls.append(type(optimizer).__name__)
+        return keep(self, step, optimizer, *args)
+
+    monkeypatch.setattr(_keeper_torch.GradientKeeper, "keep_from_optimizer", counting)
     optimizer = keras.optimizers.LossScaleOptimizer(
         keras.optimizers.SGD(0.1), initial_scale=8.0, dynamic_growth_steps=1000
     )
@@ -182,6 +207,7 @@ def test_loss_scale_optimizer_keeps_the_unscaled_gradient_once():
     rec = Recorder()
     model.compile(optimizer=optimizer, loss="mse")
     fit_batches(model, 2, rec)
+    assert calls == ["LossScaleOptimizer", "LossScaleOptimizer"]  # one per step
     assert rec.seen == [15.0, 7.5]
     assert float(model.get_weights()[0][0, 0]) == 0.75
     assert model.gradient_dtypes == {"dense_0/kernel": "float32"}
@@ -258,6 +284,81 @@ def test_jit_compile_stays_for_a_model_that_keeps_nothing_until_keeping_is_on():
     assert model.jit_compile is False
     model.fit(X, Y, batch_size=2, verbose=0)
     assert float(kernel(model)[0, 0]) == 15.0
+
+
+class _HandUpdate(kg.KeepGradModel):
+    """Updates by hand; `keep=True` passes the gradients through
+    `keep_step_gradients`, `head_only=True` applies only the head's."""
+
+    def __init__(self, *args, keep=True, head_only=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.keep = keep
+        self.head_only = head_only
+
+    def train_step(self, data):
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        self.zero_grad()
+        loss = torch.mean((self(x) - torch.as_tensor(y)) ** 2)
+        loss.backward()
+        variables = self.trainable_variables
+        if self.head_only:
+            head = [v for v in variables if "head" in v.path]
+            with torch.no_grad():
+                self.optimizer.apply([v.value.grad for v in head], head)
+            return {"loss": loss.detach()}
+        grads = [v.value.grad for v in variables]
+        if self.keep:
+            grads = self.keep_step_gradients(grads, variables)
+        with torch.no_grad():
+            for v, g in zip(variables, grads):
+                v.assign(v.value - 0.1 * g)
+        return {"loss": loss.detach()}
+
+
+def test_a_step_that_keeps_nothing_says_so_everywhere(tmp_path):
+    inputs = keras.Input((1,))
+    model = _HandUpdate(inputs, dense_0()(inputs), keep=False)
+    model.compile(loss="mse")
+    snapshot = kg.callbacks.GradientSnapshot(str(tmp_path / "s{step}.npz"), every=1)
+    seen = user_warnings(fit_batches, model, 2, snapshot)
+    assert len(seen) == 1 and "passed no gradients to an optimizer" in seen[0]  # once
+    assert list(tmp_path.iterdir()) == []  # no file of placeholders
+    with pytest.raises(RuntimeError, match="keep_step_gradients"):
+        model.gradients
+    # The update itself ran, as in a plain model: 3 - 0.1 * 15 - 0.1 * 7.5.
+    assert float(model.get_weights()[0][0, 0]) == 0.75
+
+
+def test_a_gradient_metric_in_a_step_that_keeps_nothing_raises():
+    class Updating(_HandUpdate):
+        def train_step(self, data):
+            logs = super().train_step(data)
+            self.compute_metrics(data[0], data[1], self(data[0]))
+            return logs
+
+    inputs = keras.Input((1,))
+    model = Updating(inputs, dense_0()(inputs), keep=False)
+    model.compile(loss="mse", metrics=[kg.metrics.GradientNorm()])
+    with pytest.raises(ValueError, match="after `optimizer.apply"):
+        model.fit(X, Y, batch_size=2, verbose=0)
+
+
+def test_variables_no_optimizer_receives_are_absent_with_a_warning():
+    inputs = keras.Input((1,))
+    hidden = dense_0(name="body", w=1.0)(inputs)
+    model = _HandUpdate(inputs, dense_0(name="head")(hidden), head_only=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    (seen,) = user_warnings(model.fit, X, Y, batch_size=2, verbose=0)
+    assert "['body/kernel'] to any optimizer" in seen and "`optimizer.apply`" in seen
+    # d/dh mean((h b x)^2) = 2 h b^2 mean(x^2) = 2 * 3 * 2.5 = 15; no body entry.
+    assert list(model.get_gradients_by_path()) == ["head/kernel"]
+    assert float(model.gradients["head"]["kernel"][0, 0]) == 15.0
+
+
+def test_keep_step_gradients_outside_a_training_step_raises():
+    model = one_weight()
+    with pytest.raises(RuntimeError, match="call it from its `train_step`"):
+        model.keep_step_gradients([torch.ones((1, 1))], model.trainable_variables)
 
 
 # The held tensors ---------------------------------------------------------
