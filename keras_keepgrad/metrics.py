@@ -738,7 +738,7 @@ def _gradient_metrics(model):
     return found
 
 
-def measures_updates(model):
+def _measures_updates(model):
     """Whether one of `model`'s gradient metrics is an `UpdateRatio` (internal)."""
     return any(isinstance(m, UpdateRatio) for m in _gradient_metrics(model))
 

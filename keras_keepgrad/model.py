@@ -385,7 +385,7 @@ class KeepGradModel(keras.Model):
                 return _keeper.make_train_function(self)
             if _compat.BACKEND == "torch":
                 # `UpdateRatio` compares each update's before and after.
-                self._keeper.record_updates = metrics_lib.measures_updates(self)
+                self._keeper.record_updates = metrics_lib._measures_updates(self)
         return super().make_train_function(force=force)
 
     def keep_step_gradients(self, grads, variables):
