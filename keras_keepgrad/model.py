@@ -651,7 +651,14 @@ class WrappedKeepGradModel(KeepGradModel):
         # that raised AttributeError raises it again, with its own message.
         if hasattr(type(self), name):
             return object.__getattribute__(self, name)
-        model = self.__dict__.get("_wrapped")
+        if _compat.BACKEND == "torch":
+            # `torch.nn.Module` keeps submodules (the wrapped model among
+            # them), parameters and buffers out of `__dict__`.
+            try:
+                return torch.nn.Module.__getattr__(self, name)
+            except AttributeError:
+                pass
+        model = self._wrapped_model()
         if model is not None and not name.startswith("__"):
             try:
                 value = getattr(model, name)
@@ -662,9 +669,17 @@ class WrappedKeepGradModel(KeepGradModel):
                     return value
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    def _wrapped_model(self):
+        """The wrapped model, or None while `__init__` has not set it."""
+        model = self.__dict__.get("_wrapped")
+        if model is None:
+            # On PyTorch, `torch.nn.Module` holds it among its submodules.
+            model = self.__dict__.get("_modules", {}).get("_wrapped")
+        return model
+
     def __dir__(self):
         names = set(super().__dir__())
-        model = self.__dict__.get("_wrapped")
+        model = self._wrapped_model()
         if model is None:
             return sorted(names)
         names.discard("_wrapped")  # saved as this model, not below it

@@ -69,6 +69,27 @@ def test_subclassed_and_wrapped_models():
     assert float(plain.get_weights()[0][0, 0]) == 1.5
 
 
+def test_a_wrapped_subclassed_model_is_trained_and_kept():
+    class Plain(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(
+                1, use_bias=False, kernel_initializer=keras.initializers.Constant(3.0)
+            )
+
+        def call(self, x):
+            return self.dense(x)
+
+    plain = Plain(name="plain")
+    kept = kg.keep_gradients(plain)
+    assert type(kept).__name__ == "WrappedKeepGradModel"
+    fit_once(kept)
+    assert kept.dense is plain.dense  # read through the wrapper
+    assert list(kept.get_gradients_by_path()) == ["plain/dense/kernel"]
+    assert float(kept.gradients["plain"]["dense"]["kernel"][0, 0]) == 15.0
+    assert float(plain.get_weights()[0][0, 0]) == 1.5
+
+
 def test_gradient_metrics(mode):
     model = one_weight()
     metrics = [
