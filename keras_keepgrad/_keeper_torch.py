@@ -4,8 +4,9 @@ On Keras's PyTorch backend a training step runs eagerly, in Python:
 Keras's `train_step` calls `self.zero_grad()` (which sets every
 parameter's `.grad` to None), the scaled loss's `backward()`, reads each
 variable's `v.value.grad` and calls `optimizer.apply(grads, variables)`
-under `torch.no_grad()`. With `jit_compile=True` Keras hands the step to
-`torch.compile`.
+under `torch.no_grad()`. (With `jit_compile=True` Keras would hand the
+step to `torch.compile`; a keeping model refuses that, see
+`KeepGradModel._refuse_torch_compile`.)
 
 Keeping follows that model. `_capture` hands this keeper the gradients
 each `optimizer.apply` receives (a `LossScaleOptimizer`'s inner `apply` is
@@ -29,9 +30,9 @@ raises an error rather than showing another value. Between writes
 that does not write them, as the steps in between may write them legally.
 
 Nothing here imports TensorFlow. Written against Keras 3.15's PyTorch
-trainer; besides its public API it reads `optimizer._trainable_variables`
-(the variables a call of `apply` without them updates) and the torch
-tensor behind a variable (`variable.value`).
+trainer; besides Keras's public API it reads the torch tensor behind a
+variable (`variable.value`) and PyTorch's version counter of a tensor
+(`tensor._version`, which every in-place write increments).
 """
 
 import itertools
