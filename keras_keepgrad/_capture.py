@@ -296,8 +296,8 @@ _installed = False
 
 
 def install(again=True):
-    """Wraps `apply` (and, off TensorFlow, `stateless_apply`) of every
-    optimizer class defined so far (idempotent).
+    """Wraps `apply` (and, on JAX, `stateless_apply`) of every optimizer
+    class defined so far (idempotent).
 
     Called whenever a `KeepGradModel` builds its training function, so
     that optimizer classes defined after an earlier call (a user's own,
@@ -310,7 +310,8 @@ def install(again=True):
     with _install_lock:
         _installed = True
         wrappers = {"apply": _capturing}
-        if keras.backend.backend() != "tensorflow":
+        if keras.backend.backend() == "jax":
+            # Elsewhere `stateless_apply` calls `apply`, which is captured.
             wrappers["stateless_apply"] = _capturing_stateless
         # Every optimizer class derives from the one defining `apply`.
         pending = [next(c for c in keras.optimizers.Optimizer.__mro__ if "apply" in vars(c))]
