@@ -449,6 +449,42 @@ def test_update_ratio_copies_only_when_asked():
     assert history.history["update_ratio"] == [0.5]  # |1.5 - 3| / 3
 
 
+def test_per_layer_metrics():
+    model = one_weight()
+    metrics = [kg.metrics.GradientNorm(per_layer=True), kg.metrics.UpdateRatio(per_layer=True)]
+    history = fit_once(model, metrics=metrics)
+    assert history.history["grad_norm/dense_0"] == [15.0]
+    assert history.history["update_ratio/dense_0"] == [0.5]  # |1.5 - 3| / 3
+
+
+def test_stateless_apply_in_own_step_is_kept_through_its_apply():
+    # On PyTorch `stateless_apply` runs `apply` in a `StatelessScope`.
+    class Net(kg.KeepGradModel):
+        def train_step(self, data):
+            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            self.zero_grad()
+            loss = torch.mean((self(x) - torch.as_tensor(y)) ** 2)
+            loss.backward()
+            variables = self.trainable_variables
+            with torch.no_grad():
+                new, _ = self.optimizer.stateless_apply(
+                    [v.value for v in self.optimizer.variables],
+                    [v.value.grad for v in variables],
+                    [v.value.clone() for v in variables],
+                )
+            for variable, value in zip(variables, new):
+                variable.assign(value)
+            return {"loss": loss.detach()}
+
+    inputs = keras.Input((1,))
+    model = Net(inputs, dense_0()(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    model.fit(X, Y, batch_size=2, verbose=0)
+    assert float(kernel(model)[0, 0]) == 15.0
+    assert float(model.get_weights()[0][0, 0]) == 1.5
+
+
 def test_legacy_h5_save_and_load(tmp_path):
     model = one_weight(keep_every=2)
     fit_once(model)
