@@ -20,20 +20,6 @@ collect_ignore = [d for b, d in _BACKEND_DIRS.items() if b != keras.backend.back
 if keras.backend.backend() not in _BACKEND_DIRS:
     collect_ignore.append("any_backend")
 
-# Warnings are errors (pyproject.toml). The PyTorch run's own exceptions:
-# PyTorch's warnings, not ours to fix.
-_TORCH_THIRD_PARTY_WARNINGS = [
-    # torch 2.13's `torch/utils/mkldnn.py`, imported by `torch.compile`.
-    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning",
-]
-
-
-def pytest_configure(config):
-    if keras.backend.backend() == "torch":
-        for line in _TORCH_THIRD_PARTY_WARNINGS:
-            config.addinivalue_line("filterwarnings", line)
-
-
 # The one-weight model of the tests: a bias-free Dense(1) with w = 3,
 # x = [[1], [2]], y = 0, mse. loss = mean((w*x)^2) -> d/dw = w*(1+4) = 5w = 15,
 # and with SGD(0.1) the new weight is 3 - 0.1*15 = 1.5.
