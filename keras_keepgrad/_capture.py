@@ -19,19 +19,23 @@ at the outermost call: what the user's step handed over.
 import contextlib
 import functools
 import threading
+import warnings
 
 import keras
+from keras import ops
 
 __all__ = [
     "Step",
     "current_step",
     "do_not_convert",
     "evaluation_step",
+    "finish_step",
     "in_evaluation_step",
     "install",
     "nest_by_path",
     "nothing_kept_message",
     "training_step",
+    "unscale",
 ]
 
 _local = threading.local()
@@ -73,6 +77,86 @@ class Step:
             self.grads[variable.path] = grad
             self.variables[variable.path] = variable
         self.reduced = self.reduced and reduced
+
+
+def unscale(optimizer, variables, grads, map_values=None):
+    """What the optimizer's update receives, from the scaled gradients.
+
+    Mirrors Keras 3.15 on every backend: a `LossScaleOptimizer` divides each
+    gradient by its dynamic scale with `ops.divide` (so float16 gradients
+    become float32), any other optimizer by its static `loss_scale_factor`.
+    Variables with `overwrite_with_gradient` (FP8 scales) are assigned the
+    raw value by the optimizer, unscaled, and so are kept raw. A variable
+    the loss does not reach gets zeros of its dtype that pass through the
+    same division, so its dtype matches that of its neighbours.
+
+    The dynamic scale is read here, before `optimizer.apply` may double or
+    halve it (on JAX, as the enclosing `StatelessScope` maps it).
+
+    Args:
+        optimizer: The optimizer receiving `grads`, or None.
+        variables: The variables they are gradients of.
+        grads: The gradients (None where the loss does not reach).
+        map_values: `map_values(grad, fn)` applies the division to a
+            gradient; for gradients that are not plain tensors (TensorFlow's
+            `tf.IndexedSlices`). Defaults to `fn(grad)`.
+    """
+    divide = None
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        scale = optimizer.dynamic_scale if optimizer.built else optimizer.initial_scale
+        scale = ops.convert_to_tensor(scale, dtype="float32")
+
+        def divide(t):
+            return ops.divide(t, scale)
+
+    elif optimizer is not None and optimizer.loss_scale_factor is not None:
+        factor = optimizer.loss_scale_factor
+
+        def divide(t):
+            return t / factor
+
+    unscaled = []
+    for variable, grad in zip(variables, grads):
+        if grad is None:
+            grad = ops.zeros(variable.shape, dtype=variable.dtype)
+        if divide is not None and not getattr(variable, "overwrite_with_gradient", False):
+            grad = divide(grad) if map_values is None else map_values(grad, divide)
+        unscaled.append(grad)
+    return unscaled
+
+
+def finish_step(keeper, step, update="optimizer.apply"):
+    """The end-of-step bookkeeping every keeper shares; returns the kept paths.
+
+    Sets `keeper.paths` to the paths the step kept, in
+    `model.trainable_variables` order (then any others, in call order), and
+    `keeper.trainable_paths` to the model's trainable paths. Warns once per
+    keeper (`keeper._warned_missing`) if the step kept some gradients but
+    not those of every trainable variable.
+
+    Args:
+        keeper: The backend's keeper.
+        step: The `Step` that ends.
+        update: The call to name in the warning: how that backend's
+            steps hand gradients to an optimizer.
+    """
+    trainable = [v.path for v in step.model.trainable_variables]
+    order = {path: i for i, path in enumerate(trainable)}
+    kept = sorted(step.grads, key=lambda p: order.get(p, len(order)))
+    missing = [p for p in trainable if p not in step.grads]
+    if kept and missing and not keeper._warned_missing:
+        keeper._warned_missing = True
+        warnings.warn(
+            f"The training step of model {step.model.name!r} passed no "
+            f"gradient for the trainable variables {missing} to any "
+            "optimizer, so they have no kept gradient and are absent "
+            f"from `model.gradients`. Pass them to `{update}` (a None "
+            "gradient is kept as zeros), or make them non-trainable.",
+            stacklevel=3,
+        )
+    keeper.paths = tuple(kept)
+    keeper.trainable_paths = tuple(trainable)
+    return kept
 
 
 def nest_by_path(flat):
@@ -212,8 +296,8 @@ _installed = False
 
 
 def install(again=True):
-    """Wraps `apply` (and, off TensorFlow, `stateless_apply`) of every
-    optimizer class defined so far (idempotent).
+    """Wraps `apply` (and, on JAX, `stateless_apply`) of every optimizer
+    class defined so far (idempotent).
 
     Called whenever a `KeepGradModel` builds its training function, so
     that optimizer classes defined after an earlier call (a user's own,
@@ -226,7 +310,8 @@ def install(again=True):
     with _install_lock:
         _installed = True
         wrappers = {"apply": _capturing}
-        if keras.backend.backend() != "tensorflow":
+        if keras.backend.backend() == "jax":
+            # Elsewhere `stateless_apply` calls `apply`, which is captured.
             wrappers["stateless_apply"] = _capturing_stateless
         # Every optimizer class derives from the one defining `apply`.
         pending = [next(c for c in keras.optimizers.Optimizer.__mro__ if "apply" in vars(c))]

@@ -1,6 +1,6 @@
 """The few private Keras pieces this package needs, in one place.
 
-Written against Keras 3.15 (TensorFlow and JAX backends). Each helper
+Written against Keras 3.15 (TensorFlow, JAX and PyTorch backends). Each helper
 names what it reaches for and why no public API serves.
 """
 
@@ -11,7 +11,7 @@ from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 
 # The Keras backends `KeepGradModel` keeps gradients on.
-SUPPORTED_BACKENDS = ("tensorflow", "jax")
+SUPPORTED_BACKENDS = ("tensorflow", "jax", "torch")
 
 BACKEND = keras.backend.backend()
 
@@ -23,6 +23,8 @@ if BACKEND == "tensorflow":
 
     # The trainer class `keras.Model` derives from on this backend.
     BackendTrainer = TensorFlowTrainer
+elif BACKEND == "torch":
+    from keras.src.backend.torch.trainer import TorchTrainer as BackendTrainer
 else:
     from keras.src.backend.jax.trainer import JAXTrainer as BackendTrainer
 
@@ -56,17 +58,18 @@ MODEL_STATE_ATTRIBUTES = frozenset(
 def check_backend(what):
     """Raises if Keras runs on a backend that keeping does not support.
 
-    Gradients are kept where the optimizers of the TensorFlow and JAX
-    trainers receive them; on any other backend a `KeepGradModel` would
-    silently keep nothing.
+    Gradients are kept where the optimizers of the TensorFlow, JAX and
+    PyTorch trainers receive them; on any other backend a `KeepGradModel`
+    would silently keep nothing.
     """
     backend = keras.backend.backend()
     if backend not in SUPPORTED_BACKENDS:
         raise RuntimeError(
-            f"{what} requires the TensorFlow or the JAX backend of Keras. "
-            f"Received: KERAS_BACKEND={backend!r}. Set the environment "
-            "variable KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax (or "
-            '`"backend": "jax"` in ~/.keras/keras.json) before importing keras.'
+            f"{what} requires the TensorFlow, the JAX or the PyTorch backend "
+            f"of Keras. Received: KERAS_BACKEND={backend!r}. Set the "
+            "environment variable KERAS_BACKEND=tensorflow, KERAS_BACKEND=jax "
+            'or KERAS_BACKEND=torch (or `"backend": "jax"` in '
+            "~/.keras/keras.json) before importing keras."
         )
 
 

@@ -22,11 +22,9 @@ import contextlib
 import itertools
 import re
 import types
-import warnings
 
 import keras
 import tensorflow as tf
-from keras import ops
 
 from keras_keepgrad import _capture
 from keras_keepgrad import _stats
@@ -64,39 +62,10 @@ def _map_values(grad, fn):
 def unscale(optimizer, variables, grads):
     """What the optimizer's update receives, from the scaled gradients.
 
-    Mirrors Keras 3.15: `LossScaleOptimizer` divides each gradient by its
-    dynamic scale with `ops.divide` (so float16 gradients become float32), and
-    any other optimizer divides by its static `loss_scale_factor`. Variables
-    with `overwrite_with_gradient` (FP8 scales) are assigned the raw value by
-    the optimizer, unscaled, and so are kept raw. A variable the loss does not
-    reach gets zeros that pass through the same division, so its dtype matches
-    that of its neighbours.
-
-    The dynamic scale is read here, before `optimizer.apply` may double or
-    halve it.
+    `_capture.unscale`, with `tf.IndexedSlices` gradients divided in their
+    values (they stay sparse).
     """
-    divide = None
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        scale = optimizer.dynamic_scale if optimizer.built else optimizer.initial_scale
-        scale = ops.convert_to_tensor(scale, dtype="float32")
-
-        def divide(t):
-            return ops.divide(t, scale)
-
-    elif optimizer is not None and optimizer.loss_scale_factor is not None:
-        factor = optimizer.loss_scale_factor
-
-        def divide(t):
-            return t / factor
-
-    unscaled = []
-    for variable, grad in zip(variables, grads):
-        if grad is None:
-            grad = tf.zeros(variable.shape, dtype=variable.dtype)
-        if divide is not None and not getattr(variable, "overwrite_with_gradient", False):
-            grad = _map_values(grad, divide)
-        unscaled.append(grad)
-    return unscaled
+    return _capture.unscale(optimizer, variables, grads, map_values=_map_values)
 
 
 def after(writes, grads):
@@ -525,23 +494,7 @@ class GradientKeeper:
 
     def end_step(self, step):
         """After the model's `train_step`: which variables it kept."""
-        trainable = [v.path for v in step.model.trainable_variables]
-        order = {path: i for i, path in enumerate(trainable)}
-        kept = sorted(step.grads, key=lambda p: order.get(p, len(order)))
-        missing = [p for p in trainable if p not in step.grads]
-        if kept and missing and not self._warned_missing:
-            self._warned_missing = True
-            warnings.warn(
-                f"The training step of model {step.model.name!r} passed no "
-                f"gradient for the trainable variables {missing} to any "
-                "optimizer, so they have no kept gradient and are absent "
-                "from `model.gradients`. Pass them to `optimizer.apply` (a "
-                "None gradient is kept as zeros), or make them "
-                "non-trainable.",
-                stacklevel=2,
-            )
-        self.paths = tuple(kept)
-        self.trainable_paths = tuple(trainable)
+        kept = _capture.finish_step(self, step, update="optimizer.apply")
         if kept:
             # The per-layer statistics the callbacks read (if one asked).
             _stats.record(

@@ -30,11 +30,9 @@ values `stateless_apply` takes pair with), `model._get_state_sharding_spec()`
 and `model._make_function()` (as `JAXTrainer.make_train_function` does).
 """
 
-import contextlib
 import functools
 import itertools
 import types
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +44,8 @@ from keras_keepgrad import _capture
 from keras_keepgrad._capture import evaluation_step
 from keras_keepgrad._capture import in_evaluation_step
 from keras_keepgrad._capture import nest_by_path
+from keras_keepgrad._ops import shared_squares
+from keras_keepgrad._ops import tf_ops
 
 __all__ = [
     "GradientKeeper",
@@ -64,37 +64,12 @@ __all__ = [
 
 
 def unscale(optimizer, variables, grads):
-    """What the optimizer's update receives, from the scaled gradients.
+    """What the optimizer's update receives (`_capture.unscale`).
 
-    As on TensorFlow (`_keeper.unscale`), mirroring Keras 3.15: a
-    `LossScaleOptimizer` divides by its dynamic scale with `ops.divide`
-    (float16 gradients become float32), any other optimizer by its static
-    `loss_scale_factor`; `overwrite_with_gradient` variables are kept raw; a
-    None gradient is kept as zeros of the variable's dtype. Reads the
-    optimizer's variables as the enclosing `StatelessScope` maps them.
+    Reads the optimizer's variables as the enclosing `StatelessScope` maps
+    them.
     """
-    divide = None
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        scale = optimizer.dynamic_scale if optimizer.built else optimizer.initial_scale
-        scale = ops.convert_to_tensor(scale, dtype="float32")
-
-        def divide(t):
-            return ops.divide(t, scale)
-
-    elif optimizer is not None and optimizer.loss_scale_factor is not None:
-        factor = optimizer.loss_scale_factor
-
-        def divide(t):
-            return t / factor
-
-    unscaled = []
-    for variable, grad in zip(variables, grads):
-        if grad is None:
-            grad = jnp.zeros(variable.shape, dtype=variable.dtype)
-        if divide is not None and not getattr(variable, "overwrite_with_gradient", False):
-            grad = divide(grad)
-        unscaled.append(grad)
-    return unscaled
+    return _capture.unscale(optimizer, variables, grads)
 
 
 def densify(grad):
@@ -127,110 +102,6 @@ def current_step_updates():
     """`{path: (value before, value after)}` of the step's optimizer updates."""
     step = _capture.current_step()
     return None if step is None else step.backend_state.updates
-
-
-class _TensorFlowSubset:
-    """The few TensorFlow functions the gradient metrics use, in `keras.ops`.
-
-    Same names and semantics, so that the metrics' arithmetic is written
-    once for both backends (`metrics.py` imports this as `tf` on JAX).
-    """
-
-    float32 = "float32"
-    float64 = "float64"
-
-    class nn:
-        @staticmethod
-        def l2_loss(t):
-            return ops.sum(ops.square(t)) / 2.0
-
-    class math:
-        @staticmethod
-        def is_finite(t):
-            return ops.isfinite(t)
-
-        @staticmethod
-        def divide_no_nan(a, b):
-            a, b = ops.convert_to_tensor(a), ops.convert_to_tensor(b)
-            safe = ops.where(ops.equal(b, 0.0), ops.ones_like(b), b)
-            return ops.where(ops.equal(b, 0.0), ops.zeros_like(a), a / safe)
-
-    @staticmethod
-    def cast(t, dtype):
-        return ops.cast(t, dtype)
-
-    @staticmethod
-    def add_n(tensors):
-        return functools.reduce(ops.add, tensors)
-
-    @staticmethod
-    def sqrt(t):
-        return ops.sqrt(t)
-
-    @staticmethod
-    def constant(value, dtype=None):
-        return ops.convert_to_tensor(value, dtype=dtype)
-
-    @staticmethod
-    def convert_to_tensor(value, dtype=None):
-        return ops.convert_to_tensor(value, dtype=dtype)
-
-    @staticmethod
-    def where(condition, x, y):
-        return ops.where(condition, x, y)
-
-    @staticmethod
-    def maximum(x, y):
-        return ops.maximum(x, y)
-
-    @staticmethod
-    def reduce_max(t):
-        return ops.max(t)
-
-    @staticmethod
-    def reduce_all(t):
-        return ops.all(t)
-
-    @staticmethod
-    def abs(t):
-        return ops.abs(t)
-
-    @staticmethod
-    def stack(tensors):
-        return ops.stack(tensors)
-
-    @staticmethod
-    def reduce_sum(t):
-        return ops.sum(t)
-
-    @staticmethod
-    def cond(pred, true_fn, false_fn):
-        return ops.cond(pred, true_fn, false_fn)
-
-    @staticmethod
-    def executing_eagerly():
-        # Only asked outside a training step, where nothing is traced.
-        return True
-
-    @staticmethod
-    def init_scope():
-        # Metric variables made on JAX are made before the step is traced.
-        return contextlib.nullcontext()
-
-
-tf_ops = _TensorFlowSubset
-
-
-def shared_squares(grads_by_path):
-    """float32 `[len(grads)]`: each gradient's sum of squares.
-
-    As `_stats.shared_squares` on TensorFlow, for the norm metrics; XLA
-    computes a repeated sum within the jitted step once.
-    """
-    grads = list(grads_by_path.values())
-    if not grads:
-        return ops.zeros((0,), "float32")
-    return ops.stack([ops.sum(ops.square(ops.cast(g, "float32"))) for g in grads])
 
 
 _KEEPER_SERIALS = itertools.count()
@@ -290,23 +161,7 @@ class GradientKeeper:
         step.backend_state = types.SimpleNamespace(updates={})
 
     def end_step(self, step):
-        trainable = [v.path for v in step.model.trainable_variables]
-        order = {path: i for i, path in enumerate(trainable)}
-        kept = sorted(step.grads, key=lambda p: order.get(p, len(order)))
-        missing = [p for p in trainable if p not in step.grads]
-        if kept and missing and not self._warned_missing:
-            self._warned_missing = True
-            warnings.warn(
-                f"The training step of model {step.model.name!r} passed no "
-                f"gradient for the trainable variables {missing} to any "
-                "optimizer, so they have no kept gradient and are absent "
-                "from `model.gradients`. Pass them to "
-                "`optimizer.stateless_apply` (a None gradient is kept as "
-                "zeros), or make them non-trainable.",
-                stacklevel=2,
-            )
-        self.paths = tuple(kept)
-        self.trainable_paths = tuple(trainable)
+        _capture.finish_step(self, step, update="optimizer.stateless_apply")
 
     def keep_from_stateless(self, step, optimizer, optimizer_variables, grads, values, apply):
         """Keeps what `optimizer.stateless_apply` receives, then runs it.

@@ -81,6 +81,8 @@ class LayerNorms(keras.callbacks.Callback):
         per_layer = {}
         for path, grad in self.model.get_gradients_by_path().items():
             layer = layer_of(path)
+            # NumPy reads every backend's tensors through `convert_to_numpy`.
+            grad = keras.ops.convert_to_numpy(grad)
             per_layer[layer] = per_layer.get(layer, 0.0) + float(np.sum(np.square(grad)))
         for layer, sq in per_layer.items():
             self.norms.setdefault(layer, []).append(math.sqrt(sq))

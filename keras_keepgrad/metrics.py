@@ -29,11 +29,15 @@ from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _grad_stats
 
-if _compat.BACKEND == "jax":
-    # The same arithmetic, in `keras.ops`, and the JAX keeper's step view.
-    from keras_keepgrad import _keeper_jax as _keeper
-    from keras_keepgrad._keeper_jax import shared_squares as _shared_squares
-    from keras_keepgrad._keeper_jax import tf_ops as tf
+if _compat.BACKEND in ("jax", "torch"):
+    # The same arithmetic, in `keras.ops`, and the keeper's step view.
+    from keras_keepgrad._ops import shared_squares as _shared_squares
+    from keras_keepgrad._ops import tf_ops as tf
+
+    if _compat.BACKEND == "jax":
+        from keras_keepgrad import _keeper_jax as _keeper
+    else:
+        from keras_keepgrad import _keeper_torch as _keeper
 else:
     import tensorflow as tf
 
@@ -631,7 +635,7 @@ class UpdateRatio(_PerLayerMixin, GradientMetric):
         )
 
     def _measure(self, grads):
-        if _compat.BACKEND == "jax":
+        if _compat.BACKEND != "tensorflow":
             return self._measure_from_updates(grads)
         variables = _keeper.current_step_variables()
         if variables is None:
@@ -664,7 +668,8 @@ class UpdateRatio(_PerLayerMixin, GradientMetric):
 
     def _measure_from_updates(self, grads):
         # On JAX the step sees each update's before and after values, as
-        # `stateless_apply` takes and returns them: no copies are kept.
+        # `stateless_apply` takes and returns them: no copies are kept. On
+        # PyTorch the keeper copies the values before each update.
         updates = _keeper.current_step_updates()
         if any(path not in updates for path in grads):
             # Updated without an optimizer: not seen, not counted.
@@ -687,7 +692,7 @@ class UpdateRatio(_PerLayerMixin, GradientMetric):
 
     def _build_for(self, variables):
         super()._build_for(variables)
-        if _compat.BACKEND == "jax":
+        if _compat.BACKEND != "tensorflow":
             return
         for variable in variables:
             self._copy_of(variable.path, variable, before_update=True)
@@ -731,6 +736,11 @@ def _gradient_metrics(model):
             if isinstance(m, GradientMetric) and not any(m is f for f in found):
                 found.append(m)
     return found
+
+
+def _measures_updates(model):
+    """Whether one of `model`'s gradient metrics is an `UpdateRatio` (internal)."""
+    return any(isinstance(m, UpdateRatio) for m in _gradient_metrics(model))
 
 
 def build_gradient_metrics(model):

@@ -17,9 +17,14 @@ from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _saving
 
-# The backend's keeping mechanism; the JAX one does not import TensorFlow.
+# The backend's keeping mechanism; the JAX and PyTorch ones do not import
+# TensorFlow.
 if _compat.BACKEND == "jax":
     from keras_keepgrad import _keeper_jax as _keeper
+elif _compat.BACKEND == "torch":
+    import torch
+
+    from keras_keepgrad import _keeper_torch as _keeper
 else:
     import tensorflow as tf
 
@@ -44,6 +49,7 @@ _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(path)) + os.sep
     for path in (keras.__file__, _keeper.__file__, __file__)
     + ((tf.__file__,) if _compat.BACKEND == "tensorflow" else ())
+    + ((torch.__file__,) if _compat.BACKEND == "torch" else ())
 )
 
 
@@ -68,7 +74,7 @@ def _keeping(train_step):
 
     @functools.wraps(train_step)
     def keeping(self, *args, **kwargs):
-        # `(data)` on TensorFlow, `(state, data)` on JAX.
+        # `(data)` on TensorFlow and PyTorch, `(state, data)` on JAX.
         with _keeping_context(self):
             return train_step(self, *args, **kwargs)
 
@@ -206,6 +212,8 @@ class KeepGradModel(keras.Model):
             # The training function is traced with or without keeping.
             self.train_function = None
         self._keep_gradients = value
+        if value and _compat.BACKEND == "torch" and getattr(self, "_jit_compile", False):
+            keras.Model.jit_compile.fset(self, self._refuse_torch_compile(True))
 
     @property
     def save_gradients(self):
@@ -276,6 +284,8 @@ class KeepGradModel(keras.Model):
 
     def _new_keeper(self):
         """A keeper with no slots yet, set up for how the model trains."""
+        if _compat.BACKEND == "torch":
+            return _keeper.GradientKeeper(every=self._keep_every, name=self.name)
         if _compat.BACKEND != "tensorflow":
             return _keeper.GradientKeeper(every=self._keep_every)
         writes_after_xla = self._writes_sparse_after_xla()
@@ -309,7 +319,9 @@ class KeepGradModel(keras.Model):
 
         Under a `tf.distribute` strategy with several replicas XLA cannot
         compile Keras's step (it reads each replica's variables from one
-        device), so `True` falls back to `False` with a warning.
+        device), so `True` falls back to `False` with a warning. So it does
+        on PyTorch while the model keeps gradients (`torch.compile`: see
+        `_refuse_torch_compile`).
         """
         if getattr(getattr(self, "_pending", None), "xla_inside_step", False):
             return False  # only while `_make_function` wraps an XLA step
@@ -333,7 +345,32 @@ class KeepGradModel(keras.Model):
                 stacklevel=_user_stacklevel(),
             )
             value = False
+        if value and getattr(self, "_keep_gradients", False):
+            value = self._refuse_torch_compile(value)
         keras.Model.jit_compile.fset(self, value)
+
+    def _refuse_torch_compile(self, value):
+        """`value`, or False with a warning on PyTorch.
+
+        Keeping holds the gradient tensors the optimizers receive and reads
+        them between the pieces `torch.compile` splits the step into (at
+        `loss.backward()` and at the keeping itself); the compiled pieces
+        do not leave those tensors as the optimizer received them (their
+        version counters move under a compiled `Adam` update), and gradient
+        metrics fail to trace. Eager is Keras's default on PyTorch anyway.
+        """
+        if _compat.BACKEND != "torch":
+            return value
+        warnings.warn(
+            "`jit_compile=True` (`torch.compile`) is not supported by a "
+            "`KeepGradModel` that keeps gradients on the PyTorch backend: the "
+            "compiled step does not guarantee to leave the gradient tensors "
+            "as its optimizers received them. Proceeding with "
+            "`jit_compile=False` (eager, Keras's default on PyTorch). "
+            f"Received: jit_compile={value!r}.",
+            stacklevel=_user_stacklevel(),
+        )
+        return False
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
@@ -346,6 +383,9 @@ class KeepGradModel(keras.Model):
             metrics_lib.build_gradient_metrics(self)
             if _compat.BACKEND == "jax":
                 return _keeper.make_train_function(self)
+            if _compat.BACKEND == "torch":
+                # `UpdateRatio` compares each update's before and after.
+                self._keeper.record_updates = metrics_lib._measures_updates(self)
         return super().make_train_function(force=force)
 
     def keep_step_gradients(self, grads, variables):
@@ -491,14 +531,25 @@ class KeepGradModel(keras.Model):
     def gradient_dtypes(self):
         """`{variable path: dtype}` of the kept gradients (flat).
 
-        A `tf.DType` on TensorFlow, a NumPy dtype on JAX; both compare
-        equal to dtype names (`"float32"`).
+        A `tf.DType` on TensorFlow, a NumPy dtype on JAX and PyTorch; all
+        compare equal to dtype names (`"float32"`).
         """
         return self._checked_keeper().slot_dtypes()
 
     def get_gradients_by_path(self):
         """The last training batch's gradients as `{variable path: tensor}`."""
         return self._checked_keeper().read()
+
+    if _compat.BACKEND == "torch":
+
+        def __getattr__(self, name):
+            # Only reached when normal lookup fails. `torch.nn.Module`'s
+            # `__getattr__` would replace the AttributeError that a property
+            # of this class raised (`gradients` of a model that keeps none)
+            # with "no attribute": raise the property's own again.
+            if isinstance(vars(KeepGradModel).get(name), property):
+                return object.__getattribute__(self, name)
+            return super().__getattr__(name)
 
 
 @keras.saving.register_keras_serializable(package="keras_keepgrad")
@@ -600,7 +651,14 @@ class WrappedKeepGradModel(KeepGradModel):
         # that raised AttributeError raises it again, with its own message.
         if hasattr(type(self), name):
             return object.__getattribute__(self, name)
-        model = self.__dict__.get("_wrapped")
+        if _compat.BACKEND == "torch":
+            # `torch.nn.Module` keeps submodules (the wrapped model among
+            # them), parameters and buffers out of `__dict__`.
+            try:
+                return torch.nn.Module.__getattr__(self, name)
+            except AttributeError:
+                pass
+        model = self._wrapped_model()
         if model is not None and not name.startswith("__"):
             try:
                 value = getattr(model, name)
@@ -611,9 +669,17 @@ class WrappedKeepGradModel(KeepGradModel):
                     return value
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    def _wrapped_model(self):
+        """The wrapped model, or None while `__init__` has not set it."""
+        model = self.__dict__.get("_wrapped")
+        if model is None:
+            # On PyTorch, `torch.nn.Module` holds it among its submodules.
+            model = self.__dict__.get("_modules", {}).get("_wrapped")
+        return model
+
     def __dir__(self):
         names = set(super().__dir__())
-        model = self.__dict__.get("_wrapped")
+        model = self._wrapped_model()
         if model is None:
             return sorted(names)
         names.discard("_wrapped")  # saved as this model, not below it

@@ -12,9 +12,13 @@ import keras_keepgrad as kg  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# `jax_backend/` runs under KERAS_BACKEND=jax (`test_backends.py` starts it).
-if keras.backend.backend() != "jax":
-    collect_ignore = ["jax_backend"]
+# `jax_backend/` runs under KERAS_BACKEND=jax, `torch_backend/` under
+# KERAS_BACKEND=torch, each with `any_backend/` (`test_backends.py` starts
+# them); the TensorFlow run collects none of the three.
+_BACKEND_DIRS = {"jax": "jax_backend", "torch": "torch_backend"}
+collect_ignore = [d for b, d in _BACKEND_DIRS.items() if b != keras.backend.backend()]
+if keras.backend.backend() not in _BACKEND_DIRS:
+    collect_ignore.append("any_backend")
 
 # The one-weight model of the tests: a bias-free Dense(1) with w = 3,
 # x = [[1], [2]], y = 0, mse. loss = mean((w*x)^2) -> d/dw = w*(1+4) = 5w = 15,
@@ -28,6 +32,10 @@ MODES = {
     "graph": dict(jit_compile=False),
     "jit": dict(jit_compile=True),
 }
+if keras.backend.backend() == "torch":
+    # A keeping model refuses `torch.compile` with a warning
+    # (`torch_backend/test_torch.py` checks it); both other modes are eager.
+    del MODES["jit"]
 
 
 @pytest.fixture(autouse=True)

@@ -1,46 +1,76 @@
-"""The suite's JAX part, run from the TensorFlow run of the suite, and the
-tutorials and demo on both backends.
+"""The suite's JAX and PyTorch parts, run from the TensorFlow run of the
+suite, and the tutorials and demo on every backend.
 
-`jax_backend/` holds the backend-neutral cases (the hand model's exact
-gradients, every gradient metric, mixed precision, `keep_every`, saving,
-distribution) as they run on Keras's JAX backend. One pytest process can
-only have one Keras backend, so it runs in a subprocess with
-`KERAS_BACKEND=jax` and two host CPU devices (for `DataParallel` and
-`ModelParallel`).
+`any_backend/` holds the backend-neutral cases (every gradient metric,
+mixed precision, `keep_every`, saving, callbacks), `jax_backend/` and
+`torch_backend/` what is each backend's own (the hand model's exact
+gradients against `jax.grad` / `torch.autograd.grad`, a `train_step` in
+that backend's style, distribution on JAX, the held `.grad` tensors on
+PyTorch). One pytest process can only have one Keras backend, so each runs
+in a subprocess: `KERAS_BACKEND=jax` with two host CPU devices (for
+`DataParallel` and `ModelParallel`), and `KERAS_BACKEND=torch`.
 """
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from conftest import REPO
 from conftest import python_env
 
 
-@pytest.mark.slow
-def test_the_jax_suite_passes():
-    env = python_env(
-        KERAS_BACKEND="jax",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-    )
+def _run_suite(backend, **env):
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/jax_backend"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"tests/{backend}_backend",
+            "tests/any_backend",
+        ],
         cwd=REPO,
-        env=env,
+        env=python_env(KERAS_BACKEND=backend, **env),
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    # Every case ran: none skipped for want of the two devices.
+    # Every case ran: none skipped (on JAX, for want of the two devices).
     assert " passed" in result.stdout and "skipped" not in result.stdout
 
 
-# The tutorials that make sense on JAX (not `distributed.py`: tf.distribute)
-# and the demo. Their numbers come from NumPy-drawn weights and batches in
-# order, so the two backends print the same ones.
+@pytest.mark.slow
+def test_the_jax_suite_passes():
+    _run_suite("jax", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+
+
+def _require_torch():
+    # PyTorch is not in the `test` extra: `pip install torch` takes the
+    # multi-GB CUDA build unless the CPU wheel is asked for first (CI does,
+    # `.ci/run`).
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip(
+            "PyTorch is not installed: `pip install torch==2.13.0 --index-url "
+            "https://download.pytorch.org/whl/cpu`, then `pip install -e .[torch]`"
+        )
+
+
+@pytest.mark.slow
+def test_the_torch_suite_passes():
+    _require_torch()
+    _run_suite("torch")
+
+
+# The tutorials that make sense on JAX and PyTorch (not `distributed.py`:
+# tf.distribute) and the demo. Their numbers come from NumPy-drawn weights
+# and batches in order, so every backend prints the same ones.
 SCRIPTS = {
     name: [os.path.join(REPO, "tutorials", f"{name}.py"), "--fast"]
     for name in (
@@ -71,21 +101,36 @@ def _run(script, backend, cwd):
     return _TIMING.sub("<time>", result.stdout.replace(str(cwd), "<dir>")).splitlines()
 
 
+_TENSORFLOW_LINES = {}
+
+
+def _tensorflow_lines(script):
+    """The script's output on TensorFlow, run once for both comparisons."""
+    if script not in _TENSORFLOW_LINES:
+        with tempfile.TemporaryDirectory() as work:
+            os.mkdir(os.path.join(work, "tf"))
+            _TENSORFLOW_LINES[script] = _run(script, "tensorflow", os.path.join(work, "tf"))
+    return _TENSORFLOW_LINES[script]
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["jax", "torch"])
 @pytest.mark.parametrize("script", list(SCRIPTS))
-def test_same_numbers_on_tensorflow_and_jax(script, tmp_path):
-    (tmp_path / "tf").mkdir()
-    (tmp_path / "jax").mkdir()
-    on_tf = _run(script, "tensorflow", tmp_path / "tf")
-    on_jax = _run(script, "jax", tmp_path / "jax")
-    assert len(on_tf) == len(on_jax) and on_tf, (on_tf, on_jax)
+def test_same_numbers_as_on_tensorflow(script, backend, tmp_path):
+    if backend == "torch":
+        _require_torch()
+    (tmp_path / backend).mkdir()
+    on_tf = _tensorflow_lines(script)
+    other = _run(script, backend, tmp_path / backend)
+    assert len(on_tf) == len(other) and on_tf, (on_tf, other)
     compared = 0
-    for tf_line, jax_line in zip(on_tf, on_jax):
-        tf_line, jax_line = tf_line.replace("/tf", "/<b>"), jax_line.replace("/jax", "/<b>")
-        assert _NUMBER.sub("#", tf_line) == _NUMBER.sub("#", jax_line), (tf_line, jax_line)
-        for a, b in zip(_NUMBER.findall(tf_line), _NUMBER.findall(jax_line)):
+    for tf_line, line in zip(on_tf, other):
+        tf_line, line = tf_line.replace("/tf", "/<b>"), line.replace(f"/{backend}", "/<b>")
+        assert _NUMBER.sub("#", tf_line) == _NUMBER.sub("#", line), (tf_line, line)
+        for a, b in zip(_NUMBER.findall(tf_line), _NUMBER.findall(line)):
             # Printed to 4 or 5 digits; full float reprs agree to float32
-            # rounding (XLA and TensorFlow's kernels sum in other orders).
-            assert float(a) == pytest.approx(float(b), rel=1e-5, abs=1e-6), (tf_line, jax_line)
+            # rounding (XLA, TensorFlow and PyTorch kernels sum in other
+            # orders).
+            assert float(a) == pytest.approx(float(b), rel=1e-5, abs=1e-6), (tf_line, line)
             compared += 1
     assert compared > 0

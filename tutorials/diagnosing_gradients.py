@@ -44,8 +44,8 @@ def mlp(activation, depth=8, name=None, out_activation="sigmoid"):
     outputs = keras.layers.Dense(1, activation=out_activation, name="out")(h)
     model = kg.KeepGradModel(inputs, outputs, name=name)
     # Keras's default Glorot-uniform kernels, drawn by NumPy rather than by
-    # the backend's own generator: the same numbers on TensorFlow and JAX
-    # (with the batches in order, `shuffle=False`).
+    # the backend's own generator: the same numbers on TensorFlow, JAX and
+    # PyTorch (with the batches in order, `shuffle=False`).
     init = np.random.default_rng(0)
     for layer in model.layers[1:]:
         limit = np.sqrt(6.0 / sum(layer.kernel.shape))

@@ -42,7 +42,8 @@ outputs = keras.layers.Dense(1, name="head")(hidden)
 model = kg.KeepGradModel(inputs, outputs)
 # Keras's initializers draw from the backend's own random generator; drawn
 # from NumPy's (the same Glorot-uniform kernels, zero biases), and with the
-# batches in order, the numbers below are the same on TensorFlow and JAX.
+# batches in order, the numbers below are the same on TensorFlow, JAX and
+# PyTorch.
 for kernel in (model.get_layer("hidden").kernel, model.get_layer("head").kernel):
     limit = np.sqrt(6.0 / sum(kernel.shape))
     kernel.assign(rng.uniform(-limit, limit, kernel.shape).astype("float32"))
@@ -69,7 +70,9 @@ assert "grad_norm" not in model.evaluate(x, y, verbose=0, return_dict=True)
 # The last batch's gradients themselves, shaped like the variables:
 
 # %%
-grads = model.gradients
+# As NumPy arrays: the leaves are the backend's tensors (`tf.Tensor`,
+# `jax.Array` or `torch.Tensor`), which `keras.ops.convert_to_numpy` reads.
+grads = keras.tree.map_structure(keras.ops.convert_to_numpy, model.gradients)
 for layer, variables in grads.items():
     for name, g in variables.items():
         print(f"{layer}/{name}: shape {tuple(g.shape)}, |g| = {float(np.linalg.norm(g)):.4f}")

@@ -1,0 +1,139 @@
+"""The gradient metrics' arithmetic in `keras.ops`, off TensorFlow.
+
+Backend-neutral: on JAX and PyTorch, `metrics.py` imports `tf_ops` as
+`tf`, so that its arithmetic is written once for every backend, and
+`shared_squares` for the norm metrics. Nothing here imports TensorFlow.
+"""
+
+import contextlib
+import functools
+import threading
+import weakref
+
+import keras
+from keras import ops
+
+__all__ = ["shared_squares", "tf_ops"]
+
+
+class _TensorFlowSubset:
+    """The few TensorFlow functions the gradient metrics use, in `keras.ops`.
+
+    Same names and semantics, so that the metrics' arithmetic is written
+    once for every backend (`metrics.py` imports this as `tf` off TensorFlow).
+    """
+
+    float32 = "float32"
+    float64 = "float64"
+
+    class nn:
+        @staticmethod
+        def l2_loss(t):
+            return ops.sum(ops.square(t)) / 2.0
+
+    class math:
+        @staticmethod
+        def is_finite(t):
+            return ops.isfinite(t)
+
+        @staticmethod
+        def divide_no_nan(a, b):
+            a, b = ops.convert_to_tensor(a), ops.convert_to_tensor(b)
+            safe = ops.where(ops.equal(b, 0.0), ops.ones_like(b), b)
+            return ops.where(ops.equal(b, 0.0), ops.zeros_like(a), a / safe)
+
+    @staticmethod
+    def cast(t, dtype):
+        return ops.cast(t, dtype)
+
+    @staticmethod
+    def add_n(tensors):
+        return functools.reduce(ops.add, tensors)
+
+    @staticmethod
+    def sqrt(t):
+        return ops.sqrt(t)
+
+    @staticmethod
+    def constant(value, dtype=None):
+        return ops.convert_to_tensor(value, dtype=dtype)
+
+    @staticmethod
+    def convert_to_tensor(value, dtype=None):
+        return ops.convert_to_tensor(value, dtype=dtype)
+
+    @staticmethod
+    def where(condition, x, y):
+        return ops.where(condition, x, y)
+
+    @staticmethod
+    def maximum(x, y):
+        return ops.maximum(x, y)
+
+    @staticmethod
+    def reduce_max(t):
+        return ops.max(t)
+
+    @staticmethod
+    def reduce_all(t):
+        return ops.all(t)
+
+    @staticmethod
+    def abs(t):
+        return ops.abs(t)
+
+    @staticmethod
+    def stack(tensors):
+        return ops.stack(tensors)
+
+    @staticmethod
+    def reduce_sum(t):
+        return ops.sum(t)
+
+    @staticmethod
+    def cond(pred, true_fn, false_fn):
+        return ops.cond(pred, true_fn, false_fn)
+
+    @staticmethod
+    def executing_eagerly():
+        # Only asked outside a training step, where nothing is traced.
+        return True
+
+    @staticmethod
+    def init_scope():
+        # Metric variables are made before the step is traced (JAX), or
+        # in an eager step (PyTorch).
+        return contextlib.nullcontext()
+
+
+tf_ops = _TensorFlowSubset
+
+
+_latest = threading.local()
+
+
+def shared_squares(grads_by_path):
+    """float32 `[len(grads)]`: each gradient's sum of squares.
+
+    As `_stats.shared_squares` on TensorFlow, for the norm metrics. On JAX,
+    XLA computes a repeated sum within the jitted step once; on PyTorch,
+    which runs the step eagerly, the sums of one step's gradients are
+    computed once and shared, matched by the tensors' identity (through
+    weak references: the cache keeps no step's gradients alive).
+    """
+    grads = tuple(grads_by_path.values())
+    if not grads:
+        return ops.zeros((0,), "float32")
+    if keras.backend.backend() != "torch":
+        return _sum_squares(grads)
+    latest = getattr(_latest, "value", None)
+    if latest is not None and len(latest[0]) == len(grads):
+        if all(ref() is g for ref, g in zip(latest[0], grads)):
+            return latest[1]
+    squares = _sum_squares(grads)
+    _latest.value = ([weakref.ref(g) for g in grads], squares)
+    return squares
+
+
+def _sum_squares(grads):
+    return ops.stack([ops.sum(ops.square(ops.cast(g, "float32"))) for g in grads])

@@ -1,0 +1,515 @@
+"""KeepGradModel on Keras's PyTorch backend (run with KERAS_BACKEND=torch).
+
+`tests/test_backends.py` runs this directory, with `tests/any_backend`
+(the cases that are the same on JAX and PyTorch), in a subprocess with
+`KERAS_BACKEND=torch`; the TensorFlow run of the suite does not collect
+it. Here: what is PyTorch's own (`torch.autograd.grad` references, a
+`train_step` in PyTorch style, the held `.grad` tensors, `torch.compile`).
+
+The hand model: one bias-free Dense(1) with w = 3, x = [[1], [2]], y = 0,
+mse. loss = mean((w*x)^2), so d/dw = 5w = 15; with SGD(0.1) w' = 1.5, then
+5w' = 7.5, then 3.75.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import torch
+from conftest import W0
+from conftest import Recorder
+from conftest import X
+from conftest import Y
+from conftest import dense_0
+from conftest import kernel
+from conftest import one_weight
+
+import keras_keepgrad as kg
+
+assert keras.backend.backend() == "torch", "run this directory with KERAS_BACKEND=torch"
+
+
+def fit_once(model, optimizer=None, batches=1, **compile_kwargs):
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1), loss="mse", **compile_kwargs)
+    return model.fit(
+        np.tile(X, (batches, 1)),
+        np.tile(Y, (batches, 1)),
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+    )
+
+
+def fit_batches(model, batches, callback):
+    model.fit(
+        np.tile(X, (batches, 1)),
+        np.tile(Y, (batches, 1)),
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[callback],
+    )
+
+
+def user_warnings(fn, *args, **kwargs):
+    """The UserWarnings `fn(*args, **kwargs)` warns, as strings.
+
+    Not `pytest.warns`, which re-raises every other warning with its origin
+    lost, here Keras's own DeprecationWarning (ignored in `pyproject.toml`)
+    as it turns a step's torch tensors into the logs' NumPy values.
+    """
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fn(*args, **kwargs)
+    return [str(w.message) for w in seen if w.category is UserWarning]
+
+
+def reference_grad(w):
+    """`torch.autograd.grad` of the same loss, mean((w*x)^2), at `w`."""
+    w = torch.tensor(w, dtype=torch.float32, requires_grad=True)
+    loss = torch.mean((w * torch.from_numpy(X)) ** 2)
+    (grad,) = torch.autograd.grad(loss, w)
+    return float(grad)
+
+
+def test_reference_is_5w():
+    assert reference_grad(W0) == 15.0
+
+
+def test_functional_model_keeps_the_exact_gradient(mode):
+    model = one_weight()
+    history = fit_once(model, **mode)
+    grad = kernel(model)
+    assert isinstance(grad, torch.Tensor) and not grad.requires_grad
+    assert float(grad[0, 0]) == reference_grad(W0) == 15.0
+    w_after = float(model.get_weights()[0][0, 0])
+    assert w_after == 1.5
+    assert (W0 - w_after) / 0.1 == 15.0  # (w - w') / lr with SGD
+    assert model.gradient_dtypes == {"dense_0/kernel": "float32"}
+    assert list(model.get_gradients_by_path()) == ["dense_0/kernel"]
+    assert history.history["loss"] == [22.5]  # mean(9, 36)
+
+
+def test_three_steps_follow_the_weight(mode):
+    model = one_weight()
+    rec = Recorder()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
+    fit_batches(model, 3, rec)
+    assert rec.seen == [15.0, 7.5, 3.75]
+    assert rec.seen == [reference_grad(w) for w in (3.0, 1.5, 0.75)]
+
+
+class _TorchStyleNet(kg.KeepGradModel):
+    """A `train_step` of the user's own, as PyTorch users write it."""
+
+    def __init__(self, factor=1.0, zero_grad_in_place=False, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = dense_0()
+        self.factor = factor
+        self.zero_grad_in_place = zero_grad_in_place
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        # `set_to_none=False` zeroes the existing `.grad` tensors in place.
+        self.zero_grad(set_to_none=not self.zero_grad_in_place)
+        loss = self.factor * torch.mean((self(x) - torch.as_tensor(y)) ** 2)
+        loss.backward()
+        grads = [v.value.grad for v in self.trainable_weights]
+        with torch.no_grad():
+            self.optimizer.apply(grads, self.trainable_weights)
+        return {"loss": loss.detach()}
+
+
+def test_own_torch_style_train_step_is_kept():
+    # Half the loss: the optimizer receives 7.5, which is kept.
+    net = _TorchStyleNet(factor=0.5, name="net")
+    fit_once(net)
+    assert float(net.gradients["net"]["dense_0"]["kernel"][0, 0]) == 7.5
+    assert float(net.get_weights()[0][0, 0]) == 2.25  # 3 - 0.1 * 7.5
+
+
+def test_two_optimizers_in_own_train_step_are_both_kept():
+    # A GAN-like step: each of two one-weight layers has its own optimizer.
+    # y = w1 * w0 * x with w0 = 3, w1 = 1: d/dw0 = 5 * w0 * w1^2 = 15,
+    # d/dw1 = 5 * w1 * w0^2 = 45.
+    class Net(kg.KeepGradModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.first = dense_0(name="first")
+            self.second = dense_0(name="second", w=1.0)
+            self.opt_a = keras.optimizers.SGD(0.01)
+            self.opt_b = keras.optimizers.Adam(0.01)
+
+        def call(self, x):
+            return self.second(self.first(x))
+
+        def train_step(self, data):
+            x, y = data
+            self.zero_grad()
+            loss = torch.mean((self(x) - y) ** 2)
+            loss.backward()
+            w0, w1 = self.first.kernel, self.second.kernel
+            with torch.no_grad():
+                self.opt_a.apply([w0.value.grad], [w0])
+                self.opt_b.apply_gradients([(w1.value.grad, w1)])
+            return {"loss": loss.detach()}
+
+    net = Net(name="gan")
+    net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    net.fit(X, Y, batch_size=2, verbose=0)
+    assert float(net.gradients["gan"]["first"]["kernel"][0, 0]) == 15.0
+    assert float(net.gradients["gan"]["second"]["kernel"][0, 0]) == 45.0
+    assert float(net.first.kernel.numpy()[0, 0]) == pytest.approx(3.0 - 0.01 * 15.0)
+
+
+def test_keep_step_gradients_without_optimizer():
+    class Net(kg.KeepGradModel):
+        def train_step(self, data):
+            x, y = data
+            self.zero_grad()
+            loss = torch.mean((self(x) - y) ** 2)
+            loss.backward()
+            variables = self.trainable_variables
+            grads = self.keep_step_gradients([v.value.grad for v in variables], variables)
+            with torch.no_grad():
+                for v, g in zip(variables, grads):
+                    v.assign(v.value - 0.1 * g)
+            return {"loss": loss.detach()}
+
+    inputs = keras.Input((1,))
+    model = Net(inputs, dense_0()(inputs))
+    fit_once(model)
+    assert float(kernel(model)[0, 0]) == 15.0
+    assert float(model.get_weights()[0][0, 0]) == 1.5
+
+
+def test_loss_scale_optimizer_keeps_the_unscaled_gradient_once(monkeypatch):
+    # Scale 8: the optimizer receives 8 * 15 = 120; its inner SGD receives
+    # 15 (its `apply` is not kept a second time, scaled or not).
+    from keras_keepgrad import _keeper_torch
+
+    calls = []
+    keep = _keeper_torch.GradientKeeper.keep_from_optimizer
+
+    def counting(self, step, optimizer, *args):
+        calls.append(type(optimizer).__name__)
+        return keep(self, step, optimizer, *args)
+
+    monkeypatch.setattr(_keeper_torch.GradientKeeper, "keep_from_optimizer", counting)
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=8.0, dynamic_growth_steps=1000
+    )
+    model = one_weight()
+    rec = Recorder()
+    model.compile(optimizer=optimizer, loss="mse")
+    fit_batches(model, 2, rec)
+    assert calls == ["LossScaleOptimizer", "LossScaleOptimizer"]  # one per step
+    assert rec.seen == [15.0, 7.5]
+    assert float(model.get_weights()[0][0, 0]) == 0.75
+    assert model.gradient_dtypes == {"dense_0/kernel": "float32"}
+
+
+def test_float16_variables_keep_the_dtype_their_update_receives():
+    # A float16 layer under a LossScaleOptimizer. On PyTorch, Keras's
+    # unscaling `ops.divide(grad, scale)` of a float16 gradient by the
+    # float32 0-d scale is float16 (torch's promotion; float32 on
+    # TensorFlow and JAX): the inner optimizer receives float16, and that
+    # is what is kept.
+    model = one_weight(dtype="float16")
+    inner = keras.optimizers.SGD(0.1)
+    optimizer = keras.optimizers.LossScaleOptimizer(inner, initial_scale=4.0)
+    received = []
+    inner_apply = inner.apply
+
+    def spy(grads, trainable_variables=None):
+        received.extend(grads)
+        return inner_apply(grads, trainable_variables)
+
+    inner.apply = spy
+    fit_once(model, optimizer=optimizer)
+    (grad,) = received
+    assert grad.dtype == torch.float16 and float(grad[0, 0]) == 15.0
+    assert model.gradient_dtypes == {"dense_0/kernel": "float16"}
+    assert kernel(model).dtype == torch.float16
+    assert float(kernel(model)[0, 0]) == 15.0
+    assert float(model.get_weights()[0][0, 0]) == 1.5
+
+
+def test_adam_clipping_and_weight_decay_leave_the_held_gradient_as_received():
+    # Adam's `torch._foreach_*_` updates, `clipnorm` and AdamW's decay read
+    # the gradient and write other tensors: the held `.grad` stays 5w,
+    # unclipped. Adam's first step moves w by lr: 3 -> 2.9 (decay first:
+    # 3 * (1 - 0.01 * 0.1) = 2.997, then 2.897).
+    for optimizer, w1 in [
+        (keras.optimizers.Adam(0.1, clipnorm=1.0), 2.9),
+        (keras.optimizers.AdamW(0.1, weight_decay=0.01, clipvalue=1.0), 2.897),
+    ]:
+        model = one_weight()
+        rec = Recorder()
+        model.compile(optimizer=optimizer, loss="mse")
+        fit_batches(model, 2, rec)
+        assert rec.seen[0] == 15.0
+        assert rec.seen[1] == pytest.approx(5.0 * w1, rel=1e-5)  # 5w at w1
+
+
+def test_steps_per_execution_is_refused_by_keras_on_torch():
+    # Keras 3.15's PyTorch trainer runs one step per execution and says so;
+    # KeepGradModel leaves that error as it is.
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=2)
+    with pytest.raises(ValueError, match="`steps_per_execution` must be 1 with the PyTorch"):
+        model.fit(np.tile(X, (4, 1)), np.tile(Y, (4, 1)), batch_size=2, verbose=0)
+
+
+def test_jit_compile_falls_back_to_eager_with_a_warning():
+    model = one_weight()
+    with pytest.warns(UserWarning, match=r"`jit_compile=True` \(`torch.compile`\) is not supp"):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+    assert model.jit_compile is False
+    rec = Recorder()
+    fit_batches(model, 2, rec)
+    assert rec.seen == [15.0, 7.5]
+
+
+def test_jit_compile_stays_for_a_model_that_keeps_nothing_until_keeping_is_on():
+    model = one_weight(keep_gradients=False)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+    assert model.jit_compile is True  # a plain `keras.Model` in everything
+    with pytest.warns(UserWarning, match="Proceeding with `jit_compile=False`"):
+        model.keep_gradients = True
+    assert model.jit_compile is False
+    model.fit(X, Y, batch_size=2, verbose=0)
+    assert float(kernel(model)[0, 0]) == 15.0
+
+
+class _HandUpdate(kg.KeepGradModel):
+    """Updates by hand; `keep=True` passes the gradients through
+    `keep_step_gradients`, `head_only=True` applies only the head's."""
+
+    def __init__(self, *args, keep=True, head_only=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.keep = keep
+        self.head_only = head_only
+
+    def train_step(self, data):
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        self.zero_grad()
+        loss = torch.mean((self(x) - torch.as_tensor(y)) ** 2)
+        loss.backward()
+        variables = self.trainable_variables
+        if self.head_only:
+            head = [v for v in variables if "head" in v.path]
+            with torch.no_grad():
+                self.optimizer.apply([v.value.grad for v in head], head)
+            return {"loss": loss.detach()}
+        grads = [v.value.grad for v in variables]
+        if self.keep:
+            grads = self.keep_step_gradients(grads, variables)
+        with torch.no_grad():
+            for v, g in zip(variables, grads):
+                v.assign(v.value - 0.1 * g)
+        return {"loss": loss.detach()}
+
+
+def test_a_step_that_keeps_nothing_says_so_everywhere(tmp_path):
+    inputs = keras.Input((1,))
+    model = _HandUpdate(inputs, dense_0()(inputs), keep=False)
+    model.compile(loss="mse")
+    snapshot = kg.callbacks.GradientSnapshot(str(tmp_path / "s{step}.npz"), every=1)
+    seen = user_warnings(fit_batches, model, 2, snapshot)
+    assert len(seen) == 1 and "passed no gradients to an optimizer" in seen[0]  # once
+    assert list(tmp_path.iterdir()) == []  # no file of placeholders
+    with pytest.raises(RuntimeError, match="keep_step_gradients"):
+        model.gradients
+    # The update itself ran, as in a plain model: 3 - 0.1 * 15 - 0.1 * 7.5.
+    assert float(model.get_weights()[0][0, 0]) == 0.75
+
+
+def test_a_gradient_metric_in_a_step_that_keeps_nothing_raises():
+    class Updating(_HandUpdate):
+        def train_step(self, data):
+            logs = super().train_step(data)
+            self.compute_metrics(data[0], data[1], self(data[0]))
+            return logs
+
+    inputs = keras.Input((1,))
+    model = Updating(inputs, dense_0()(inputs), keep=False)
+    model.compile(loss="mse", metrics=[kg.metrics.GradientNorm()])
+    with pytest.raises(ValueError, match="after `optimizer.apply"):
+        model.fit(X, Y, batch_size=2, verbose=0)
+
+
+def test_variables_no_optimizer_receives_are_absent_with_a_warning():
+    inputs = keras.Input((1,))
+    hidden = dense_0(name="body", w=1.0)(inputs)
+    model = _HandUpdate(inputs, dense_0(name="head")(hidden), head_only=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    (seen,) = user_warnings(model.fit, X, Y, batch_size=2, verbose=0)
+    assert "['body/kernel'] to any optimizer" in seen and "`optimizer.apply`" in seen
+    # d/dh mean((h b x)^2) = 2 h b^2 mean(x^2) = 2 * 3 * 2.5 = 15; no body entry.
+    assert list(model.get_gradients_by_path()) == ["head/kernel"]
+    assert float(model.gradients["head"]["kernel"][0, 0]) == 15.0
+
+
+def test_keep_step_gradients_outside_a_training_step_raises():
+    model = one_weight()
+    with pytest.raises(RuntimeError, match="call it from its `train_step`"):
+        model.keep_step_gradients([torch.ones((1, 1))], model.trainable_variables)
+
+
+# The held tensors ---------------------------------------------------------
+
+
+def test_the_kept_gradient_is_the_grad_tensor_itself_and_survives_the_next_step():
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.train_on_batch(X, Y)
+    first = kernel(model)
+    # No copy: the parameter's own `.grad`, detached.
+    assert first.data_ptr() == model.trainable_variables[0].value.grad.data_ptr()
+    model.train_on_batch(X, Y)
+    # Keras's `zero_grad()` dropped it from `.grad` rather than zeroing it:
+    # the next step wrote a new tensor.
+    assert float(first[0, 0]) == 15.0 and float(kernel(model)[0, 0]) == 7.5
+
+
+def test_a_gradient_written_in_place_after_apply_raises_in_the_step():
+    class Net(_TorchStyleNet):
+        def train_step(self, data):
+            logs = super().train_step(data)
+            self.zero_grad(set_to_none=False)  # zeroes what apply received
+            return logs
+
+    net = Net(name="net")
+    net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.raises(RuntimeError, match=r"\['net/dense_0/kernel'\].*modified in place"):
+        net.train_on_batch(X, Y)
+
+
+def test_a_gradient_written_in_place_between_steps_raises_on_read():
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.train_on_batch(X, Y)
+    model.trainable_variables[0].value.grad.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified in place after the optimizer received"):
+        model.gradients
+
+
+def test_zeroing_in_place_before_backward_keeps_every_step():
+    # `zero_grad(set_to_none=False)` at the start of each step zeroes the
+    # tensors held from the step before; each step keeps its own anyway.
+    net = _TorchStyleNet(zero_grad_in_place=True, name="net")
+    rec = []
+    callback = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda b, logs: rec.append(
+            float(net.gradients["net"]["dense_0"]["kernel"][0, 0])
+        )
+    )
+    net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    fit_batches(net, 3, callback)
+    assert rec == [15.0, 7.5, 3.75]
+
+
+def test_keep_every_holds_its_copy_through_in_place_zeroing():
+    # With `keep_every=2` the gradients of steps 1, 3, 5 are held over the
+    # next step, whose in-place `zero_grad` would zero them: they are
+    # copied at that step.
+    net = _TorchStyleNet(zero_grad_in_place=True, keep_every=2, name="net")
+    rec = []
+    callback = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda b, logs: rec.append(
+            float(net.gradients["net"]["dense_0"]["kernel"][0, 0])
+        )
+    )
+    net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    fit_batches(net, 5, callback)
+    assert rec == [15.0, 15.0, 3.75, 3.75, 0.9375]
+
+
+def test_no_tensorflow_in_the_keeper():
+    from keras_keepgrad import _keeper_torch
+    from keras_keepgrad import _ops
+
+    assert "tensorflow" not in _keeper_torch.__dict__
+    assert "tensorflow" not in _ops.__dict__
+    assert "tf" not in _keeper_torch.__dict__
+
+
+def test_update_ratio_copies_only_when_asked():
+    model = one_weight()
+    fit_once(model)
+    assert model._keeper.record_updates is False
+    model = one_weight()
+    history = fit_once(model, metrics=[kg.metrics.UpdateRatio()])
+    assert model._keeper.record_updates is True
+    assert history.history["update_ratio"] == [0.5]  # |1.5 - 3| / 3
+
+
+def test_per_layer_metrics():
+    model = one_weight()
+    metrics = [kg.metrics.GradientNorm(per_layer=True), kg.metrics.UpdateRatio(per_layer=True)]
+    history = fit_once(model, metrics=metrics)
+    assert history.history["grad_norm/dense_0"] == [15.0]
+    assert history.history["update_ratio/dense_0"] == [0.5]  # |1.5 - 3| / 3
+
+
+def test_stateless_apply_in_own_step_is_kept_through_its_apply():
+    # On PyTorch `stateless_apply` runs `apply` in a `StatelessScope`.
+    class Net(kg.KeepGradModel):
+        def train_step(self, data):
+            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            self.zero_grad()
+            loss = torch.mean((self(x) - torch.as_tensor(y)) ** 2)
+            loss.backward()
+            variables = self.trainable_variables
+            with torch.no_grad():
+                new, _ = self.optimizer.stateless_apply(
+                    [v.value for v in self.optimizer.variables],
+                    [v.value.grad for v in variables],
+                    [v.value.clone() for v in variables],
+                )
+            for variable, value in zip(variables, new):
+                variable.assign(value)
+            return {"loss": loss.detach()}
+
+    inputs = keras.Input((1,))
+    model = Net(inputs, dense_0()(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    model.fit(X, Y, batch_size=2, verbose=0)
+    assert float(kernel(model)[0, 0]) == 15.0
+    assert float(model.get_weights()[0][0, 0]) == 1.5
+
+
+def test_legacy_h5_save_and_load(tmp_path):
+    model = one_weight(keep_every=2)
+    fit_once(model)
+    path = str(tmp_path / "m.h5")
+    model.save(path)
+    loaded = keras.saving.load_model(path, compile=False)
+    assert type(loaded) is type(model)
+    assert loaded.keep_every == 2
+    np.testing.assert_array_equal(loaded.get_weights()[0], [[1.5]])
+
+
+def test_gradient_histograms_are_written(tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
+
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    callback = kg.callbacks.GradientTensorBoard(str(tmp_path), histogram_freq=1)
+    fit_batches(model, 2, callback)
+    acc = event_accumulator.EventAccumulator(
+        str(tmp_path / "train"), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    acc.Reload()
+    (event,) = acc.Tensors("dense_0/kernel/gradient")
+    # One bucket holding the last step's only entry, 5w at w = 1.5.
+    buckets = tensor_util.make_ndarray(event.tensor_proto)
+    assert buckets[:, 2].sum() == 1.0
+    assert buckets[buckets[:, 2] > 0][0, 0] <= 7.5 <= buckets[buckets[:, 2] > 0][0, 1]
