@@ -52,13 +52,12 @@ def test_the_jax_suite_passes():
 
 
 def _require_torch():
-    # PyTorch is not in the `test` extra: `pip install torch` takes the
-    # multi-GB CUDA build unless the CPU wheel is asked for first (CI does,
-    # `.ci/run`).
+    # In the `test` extra: a missing PyTorch is a broken test install, and
+    # its part of the suite fails rather than being skipped unseen.
     if importlib.util.find_spec("torch") is None:
-        pytest.skip(
-            "PyTorch is not installed: `pip install torch==2.13.0 --index-url "
-            "https://download.pytorch.org/whl/cpu`, then `pip install -e .[torch]`"
+        pytest.fail(
+            "PyTorch is not installed, so the PyTorch suite cannot run: "
+            'install the test extra, `pip install -e ".[cpu,test]"`'
         )
 
 
