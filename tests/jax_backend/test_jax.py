@@ -301,8 +301,8 @@ def test_benchmark_smoke_and_the_xla_cost_of_keeping(tmp_path):
     import importlib.util
     import json
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "overhead_jax.py")
-    spec = importlib.util.spec_from_file_location("overhead_jax", path)
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "overhead_backends.py")
+    spec = importlib.util.spec_from_file_location("overhead_backends", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"

@@ -513,3 +513,26 @@ def test_gradient_histograms_are_written(tmp_path):
     buckets = tensor_util.make_ndarray(event.tensor_proto)
     assert buckets[:, 2].sum() == 1.0
     assert buckets[buckets[:, 2] > 0][0, 0] <= 7.5 <= buckets[buckets[:, 2] > 0][0, 1]
+
+
+def test_benchmark_smoke_on_pytorch(tmp_path):
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "overhead_backends.py")
+    spec = importlib.util.spec_from_file_location("overhead_backends", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    bench.main(["--smoke", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["versions"]["torch"] == torch.__version__
+    results = written["results"]
+    assert [r["model"] for r in results] == ["mlp_1m", "conv"]
+    for r in results:
+        assert r["rounds"] == 2 and len(r["ratios"]["kept"]) == 2
+        assert all(ratio > 0 for ratio in r["ratios"]["kept"] + r["ratios"]["control"])
+        # XLA's cost analysis is JAX's only.
+        assert "xla_flops" not in r
+    assert "XLA" not in written["table"]

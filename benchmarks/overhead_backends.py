@@ -1,21 +1,25 @@
-"""What keeping gradients costs on Keras's JAX backend, against plain Keras.
+"""What keeping gradients costs on Keras's JAX and PyTorch backends.
 
 Paired, interleaved rounds, as `overhead.py` does on TensorFlow: each round
 trains every variant (a plain `keras.Model`, a second one as the noise
 control, `KeepGradModel`) for the same batches, in an order rotated each
-round, with Keras's default jitted step, and divides each variant's time by
-the plain model's time of the same round. The models are those of
-`overhead.py`: the 1M-parameter MLP and the CIFAR-sized conv net.
+round, with Keras's default step (jitted on JAX, eager on PyTorch), and
+divides each variant's time by the plain model's time of the same round.
+The models are those of `overhead.py`: the 1M-parameter MLP and the
+CIFAR-sized conv net. On JAX it also reads XLA's cost analysis of the two
+compiled steps.
 
-    KERAS_BACKEND=jax python benchmarks/overhead_jax.py           # a few minutes
-    KERAS_BACKEND=jax python benchmarks/overhead_jax.py --smoke   # tiny, seconds
+    KERAS_BACKEND=jax python benchmarks/overhead_backends.py           # a few minutes
+    KERAS_BACKEND=torch python benchmarks/overhead_backends.py
+    KERAS_BACKEND=jax python benchmarks/overhead_backends.py --smoke   # tiny, seconds
 
 Prints a Markdown table and writes JSON to
-`benchmarks/results/overhead-jax-<mode>.json` (or `--out`).
+`benchmarks/results/overhead-<backend>-<mode>.json` (or `--out`).
 """
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -30,13 +34,13 @@ if ROOT not in sys.path:
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_keepgrad as kg  # noqa: E402
 
 VARIANTS = ("plain", "control", "kept")
+BACKENDS = ("jax", "torch")
 
 
 def _mlp(width_in, hidden, classes):
@@ -91,12 +95,18 @@ def make(variant, build):
 def train(model, x, y, batch_size):
     start = time.perf_counter()
     model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
-    jax.block_until_ready([v.value for v in model.trainable_variables])
+    if keras.backend.backend() == "jax":
+        import jax
+
+        # Dispatch is asynchronous on JAX; PyTorch's CPU ops are not.
+        jax.block_until_ready([v.value for v in model.trainable_variables])
     return time.perf_counter() - start
 
 
 def xla_cost(models, x, y, batch_size):
     """`{variant: (bytes accessed, flops)}` of one compiled step, by XLA."""
+    import jax
+
     batch = (jax.numpy.asarray(x[:batch_size]), jax.numpy.asarray(y[:batch_size]))
     costs = {}
     for variant in ("plain", "kept"):
@@ -127,7 +137,8 @@ def measure(name, build, batch_size, shape, rounds, steps):
     for model in models.values():  # compile and warm up
         train(model, x[: 2 * batch_size], y[: 2 * batch_size], batch_size)
     params = sum(int(np.prod(v.shape)) for v in models["plain"].trainable_variables)
-    costs = xla_cost(models, x, y, batch_size)
+    jax_backend = keras.backend.backend() == "jax"
+    costs = xla_cost(models, x, y, batch_size) if jax_backend else None
     ratios = {v: [] for v in VARIANTS if v != "plain"}
     seconds = {v: [] for v in VARIANTS}
     plain_ms = []
@@ -141,7 +152,7 @@ def measure(name, build, batch_size, shape, rounds, steps):
             ratios[v].append(times[v] / times["plain"])
     kept = models["kept"].get_gradients_by_path()
     assert len(kept) == len(models["kept"].trainable_variables)
-    return {
+    result = {
         "model": name,
         "parameters": params,
         "batch_size": batch_size,
@@ -152,19 +163,24 @@ def measure(name, build, batch_size, shape, rounds, steps):
         "median": {v: statistics.median(rs) for v, rs in ratios.items()},
         # Robust to load from other processes: each variant's fastest round.
         "fastest_ratio": {v: min(seconds[v]) / min(seconds["plain"]) for v in ratios},
-        "xla_bytes_accessed": {v: c[0] for v, c in costs.items()},
-        "xla_flops": {v: c[1] for v, c in costs.items()},
-        # Extra bytes the kept step moves, in parameter-sized float32 writes.
-        "extra_bytes_in_parameter_writes": (costs["kept"][0] - costs["plain"][0]) / (4 * params),
     }
+    if costs is not None:
+        result.update(
+            xla_bytes_accessed={v: c[0] for v, c in costs.items()},
+            xla_flops={v: c[1] for v, c in costs.items()},
+            # Extra bytes the kept step moves, in parameter-sized float32 writes.
+            extra_bytes_in_parameter_writes=(costs["kept"][0] - costs["plain"][0]) / (4 * params),
+        )
+    return result
 
 
 def markdown(results):
+    xla = "extra_bytes_in_parameter_writes" in results[0]
     lines = [
         "| model | parameters | plain ms/step | control / plain | kept / plain "
-        "| fastest rounds, control / plain | fastest rounds, kept / plain "
-        "| extra XLA bytes accessed, in parameter writes |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| fastest rounds, control / plain | fastest rounds, kept / plain |"
+        + (" extra XLA bytes accessed, in parameter writes |" if xla else ""),
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if xla else ""),
     ]
     for res in results:
         spread = {v: (min(rs), max(rs)) for v, rs in res["ratios"].items()}
@@ -173,8 +189,8 @@ def markdown(results):
             f"{res['median']['control']:.3f} ({spread['control'][0]:.3f}-"
             f"{spread['control'][1]:.3f}) | {res['median']['kept']:.3f} "
             f"({spread['kept'][0]:.3f}-{spread['kept'][1]:.3f}) | "
-            f"{res['fastest_ratio']['control']:.3f} | {res['fastest_ratio']['kept']:.3f} | "
-            f"{res['extra_bytes_in_parameter_writes']:.2f} |"
+            f"{res['fastest_ratio']['control']:.3f} | {res['fastest_ratio']['kept']:.3f} |"
+            + (f" {res['extra_bytes_in_parameter_writes']:.2f} |" if xla else "")
         )
     return "\n".join(lines)
 
@@ -186,8 +202,12 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    if keras.backend.backend() != "jax":
-        parser.error(f"run with KERAS_BACKEND=jax (Keras runs on {keras.backend.backend()!r})")
+    backend = keras.backend.backend()
+    if backend not in BACKENDS:
+        parser.error(
+            f"run with KERAS_BACKEND=jax or KERAS_BACKEND=torch (Keras runs on {backend!r}; "
+            "benchmarks/overhead.py measures TensorFlow)"
+        )
     rounds, steps = (2, 3) if args.smoke else (args.rounds, args.steps)
     results = [
         measure(name, build, batch, shape, rounds, steps)
@@ -196,15 +216,16 @@ def main(argv=None):
     table = markdown(results)
     print(table)
     out = args.out or os.path.join(
-        HERE, "results", f"overhead-jax-{'smoke' if args.smoke else 'full'}.json"
+        HERE, "results", f"overhead-{backend}-{'smoke' if args.smoke else 'full'}.json"
     )
+    library = importlib.import_module(backend)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(
             {
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                "versions": {"jax": jax.__version__, "keras": keras.__version__},
+                "versions": {backend: library.__version__, "keras": keras.__version__},
                 "results": results,
                 "table": table,
             },
