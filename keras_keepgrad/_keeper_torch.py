@@ -1,4 +1,4 @@
-"""The keeping mechanism on PyTorch: the gradient tensors themselves, held.
+"""The keeping mechanism on PyTorch: the gradients `apply` receives, held.
 
 On Keras's PyTorch backend a training step runs eagerly, in Python:
 Keras's `train_step` calls `self.zero_grad()` (which sets every
@@ -11,28 +11,23 @@ step to `torch.compile`; a keeping model refuses that, see
 Keeping follows that model. `_capture` hands this keeper the gradients
 each `optimizer.apply` receives (a `LossScaleOptimizer`'s inner `apply` is
 not counted twice); `_capture.unscale` turns them into what the update
-receives. The keeper holds those tensors, detached, outside Keras's
+receives. The keeper holds those values, detached, outside Keras's
 variables: never in `model.weights`, saved files or exports.
 
-It holds references rather than copies. Without loss scaling a kept
-gradient is the parameter's `.grad` tensor itself, and holding it copies
-nothing: Keras's optimizers read gradients without writing them (their
-in-place `torch._foreach_*_` ops write the variables and their own state),
-clipping returns new tensors, and the next step's `zero_grad()` drops the
-reference from `.grad` instead of zeroing the buffer, so `backward()`
-writes the next gradients into a fresh one. A step of the user's own can
-still write a held tensor in place (`p.grad.zero_()`,
-`zero_grad(set_to_none=False)`, a `backward()` that accumulates into an
-existing `.grad`); such a write bumps the tensor's version counter, which
-the keeper checks: a kept gradient written after its optimizer received it
-raises an error rather than showing another value. Between writes
-(`keep_every > 1`) the held tensors are copied once, at the first step
-that does not write them, as the steps in between may write them legally.
+On a step that writes the slots, a gradient the optimizer receives as it
+is (no loss scale to divide out) is copied before `apply` runs: one
+parameter-sized write, the same as on the other backends. So the kept
+value is what the update received whatever later writes the parameter's
+`.grad` in place (`zero_grad(set_to_none=False)`, an accumulating
+`backward()`), and a tensor read from `model.gradients` never changes
+afterwards. Unscaled gradients are new tensors already and are not
+copied again. Holding the `.grad` tensors themselves instead would copy
+nothing, but measured slower: the next `backward()` then writes into
+fresh buffers instead of the ones just freed.
 
 Nothing here imports TensorFlow. Written against Keras 3.15's PyTorch
 trainer; besides Keras's public API it reads the torch tensor behind a
-variable (`variable.value`) and PyTorch's version counter of a tensor
-(`tensor._version`, which every in-place write increments).
+variable (`variable.value`).
 """
 
 import itertools
@@ -105,31 +100,16 @@ def current_step_updates():
     return None if step is None else step.backend_state.updates
 
 
-def _modified_message(name, paths):
-    return (
-        f"The kept gradients of {paths} of model {name!r} were "
-        "modified in place after the optimizer received them, so they no "
-        "longer hold what it received. Something wrote the tensors passed "
-        "to `optimizer.apply` (e.g. `p.grad.zero_()`, "
-        "`zero_grad(set_to_none=False)`, or a `backward()` accumulating "
-        "into an existing `.grad`). In your own `train_step`, clear the "
-        "gradients with `self.zero_grad()` (which sets `.grad` to None) "
-        "before `loss.backward()`, and do not write them after "
-        "`optimizer.apply(...)`."
-    )
-
-
 _KEEPER_SERIALS = itertools.count()
 
 
 class GradientKeeper:
     """Holds one model's kept gradients on PyTorch, keyed by variable path.
 
-    The slots are the (detached) tensors the optimizers received, held by
-    this object, not `keras.Variable`s: they are never in `model.weights`
-    or saved files. Each slot's version counter, noted when it is kept,
-    tells whether it was written in place since (see the module's
-    docstring).
+    The slots are detached tensors of what the optimizers received
+    (copies where that was a parameter's own `.grad`), held by this
+    object, not `keras.Variable`s: they are never in `model.weights` or
+    saved files.
 
     Args:
         every: Positive int. Write the slots on steps 1, 1 + every, ...
@@ -153,8 +133,6 @@ class GradientKeeper:
         self.trainable_paths = None
         self.slots = None
         self.record_updates = False
-        self._versions = {}
-        self._owned = False
         self._serial = next(_KEEPER_SERIALS)
         self._steps = 0
         self._written = -1
@@ -177,33 +155,27 @@ class GradientKeeper:
 
     def begin_step(self, step):
         write = self.writes_next()
-        step.backend_state = types.SimpleNamespace(updates={}, versions={}, write=write)
-        if not write and self.slots is not None and not self._owned:
-            # Held over this step, which may write its parameters' `.grad`
-            # (the tensors held) in place: a copy of their own, once.
-            self._check_unmodified()
-            self.slots = {p: t.clone() for p, t in self.slots.items()}
-            self._versions = {p: t._version for p, t in self.slots.items()}
-            self._owned = True
+        step.backend_state = types.SimpleNamespace(updates={}, write=write)
 
     def end_step(self, step):
         kept = _capture.finish_step(self, step, update="optimizer.apply")
-        state = step.backend_state
-        modified = [p for p in kept if step.grads[p]._version != state.versions[p]]
-        if modified:
-            raise RuntimeError(_modified_message(step.model.name, modified))
-        if state.write:
+        if step.backend_state.write:
             self.slots = {p: step.grads[p] for p in kept}
-            self._versions = {p: state.versions[p] for p in kept}
-            self._owned = False
             self._written = self._steps
         self._steps += 1
 
+    def _own(self, step, kept, given):
+        """`kept`, detached; on a step that writes the slots, a gradient
+        that is one of the tensors `given` to the update is copied (see the
+        module's docstring)."""
+        write = step.backend_state.write
+        return [
+            densify(k).detach().clone() if write and k is g else densify(k).detach()
+            for k, g in zip(kept, given)
+        ]
+
     def _add(self, step, variables, kept):
-        kept = [densify(g).detach() for g in kept]
         step.add(variables, kept, True)
-        for variable, grad in zip(variables, kept):
-            step.backend_state.versions[variable.path] = grad._version
 
     def keep_from_optimizer(self, step, optimizer, variables, grads, apply):
         """Keeps what `optimizer.apply` receives, then runs `apply`.
@@ -220,7 +192,7 @@ class GradientKeeper:
             What `apply` returns.
         """
         with torch.no_grad():
-            kept = unscale(optimizer, variables, grads)
+            kept = self._own(step, unscale(optimizer, variables, grads), grads)
             before = [v.value.detach().clone() for v in variables] if self.record_updates else None
         result = apply(grads)
         self._add(step, variables, kept)
@@ -237,7 +209,7 @@ class GradientKeeper:
         kept = [
             ops.zeros(v.shape, dtype=v.dtype) if g is None else g for v, g in zip(variables, grads)
         ]
-        self._add(step, variables, kept)
+        self._add(step, variables, self._own(step, kept, grads))
         for variable in variables:
             step.backend_state.updates.pop(variable.path, None)
         return list(grads)
@@ -259,11 +231,6 @@ class GradientKeeper:
             raise RuntimeError("No training step wrote the kept gradients yet.")
         return self.slots
 
-    def _check_unmodified(self):
-        modified = [p for p, t in self._slot_dict().items() if t._version != self._versions[p]]
-        if modified:
-            raise RuntimeError(_modified_message(self.name, modified))
-
     def slot_dtypes(self):
         """`{path: NumPy dtype}` of the kept gradients."""
         slots = self._slot_dict()
@@ -272,12 +239,9 @@ class GradientKeeper:
     def read(self):
         """`{path: tensor}` of the last kept step, in variable order.
 
-        The tensors are the ones held (no copy).
-
-        Raises:
-            RuntimeError: One was written in place since it was kept.
+        The tensors are the ones held (no copy): the keeper never writes
+        them, a later step keeps new ones.
         """
-        self._check_unmodified()
         slots = self._slot_dict()
         return {path: slots[path] for path in self.paths}
 
@@ -286,8 +250,6 @@ class GradientKeeper:
         del strategy
         self.paths = self.trainable_paths = tuple(v.path for v in variables)
         self.slots = {v.path: ops.convert_to_tensor(np.asarray(arrays[v.path])) for v in variables}
-        self._versions = {p: t._version for p, t in self.slots.items()}
-        self._owned = True
 
     def slot_variables(self):
         """Every tensor the keeper holds (for tests and saving)."""

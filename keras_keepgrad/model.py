@@ -352,20 +352,19 @@ class KeepGradModel(keras.Model):
     def _refuse_torch_compile(self, value):
         """`value`, or False with a warning on PyTorch.
 
-        Keeping holds the gradient tensors the optimizers receive and reads
-        them between the pieces `torch.compile` splits the step into (at
-        `loss.backward()` and at the keeping itself); the compiled pieces
-        do not leave those tensors as the optimizer received them (their
-        version counters move under a compiled `Adam` update), and gradient
-        metrics fail to trace. Eager is Keras's default on PyTorch anyway.
+        `torch.compile` splits the step into pieces (at `loss.backward()`
+        and at the keeping itself), its compiled `Adam` update writes the
+        gradient tensors it receives in place, and gradient metrics fail to
+        trace: keeping under it is not verified exact. Eager is Keras's
+        default on PyTorch anyway.
         """
         if _compat.BACKEND != "torch":
             return value
         warnings.warn(
             "`jit_compile=True` (`torch.compile`) is not supported by a "
-            "`KeepGradModel` that keeps gradients on the PyTorch backend: the "
-            "compiled step does not guarantee to leave the gradient tensors "
-            "as its optimizers received them. Proceeding with "
+            "`KeepGradModel` that keeps gradients on the PyTorch backend: "
+            "keeping under the compiled step is not verified exact, and "
+            "gradient metrics do not trace under it. Proceeding with "
             "`jit_compile=False` (eager, Keras's default on PyTorch). "
             f"Received: jit_compile={value!r}.",
             stacklevel=_user_stacklevel(),
