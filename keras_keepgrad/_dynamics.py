@@ -274,10 +274,8 @@ class _SmallBatches(_DynamicsMetric):
         vector = tf.stack([*local, 1.0 / tf.maximum(batch, 1.0), tf.cast(batch < 1.0, tf.float32)])
         summed = context.all_reduce(tf.distribute.ReduceOp.SUM, vector)
         n_groups = len(groups)
-        grads = _keeper.current_step_gradients()
-        big = tf.stack(
-            [_sum_of_squares([_float32(grads[p]) for p in paths]) for paths in groups.values()]
-        )
+        # The global gradient's squares, shared with the norm metrics.
+        big = _group_squares(_keeper.current_step_gradients(), groups)
         small = summed[:n_groups] / replicas
         inverse = summed[n_groups] / replicas
         ready = tf.equal(summed[n_groups + 1], 0.0)
