@@ -32,6 +32,7 @@ import tensorflow as tf
 from keras_keepgrad import _capture
 from keras_keepgrad import _checks
 from keras_keepgrad import _keeper
+from keras_keepgrad import _stats
 from keras_keepgrad.metrics import GradientMetric
 from keras_keepgrad.metrics import _float32
 from keras_keepgrad.metrics import _group_by_layer
@@ -100,6 +101,38 @@ def _batch_size(y_true, y_pred):
             if t is not None and getattr(t, "shape", None) is not None and len(t.shape) > 0:
                 return tf.cast(tf.shape(t)[0], tf.float32)
     return None
+
+
+def _group_squares(grads, groups):
+    """float32 `[groups]`: each group's sum of squared gradient entries.
+
+    From the step's per-variable sums (`_stats.shared_squares`), which the
+    norm metrics and the callbacks' statistics of the same step share: a
+    statistic that needs them adds no pass over the gradients of its own
+    where one of those asked for them too.
+    """
+    squares = _stats.shared_squares(grads)
+    if len(groups) == 1:
+        return tf.cast(tf.reduce_sum(squares), tf.float32)[None]
+    position = {p: i for i, p in enumerate(grads)}
+    segment = [0] * len(position)
+    for g, paths in enumerate(groups.values()):
+        for p in paths:
+            segment[position[p]] = g
+    summed = tf.math.unsorted_segment_sum(squares, tf.constant(segment), len(groups))
+    return tf.cast(summed, tf.float32)
+
+
+def _after_optimizer_updates():
+    """Control inputs that wait for the step's optimizer updates.
+
+    Those wait in turn for the writes of the kept gradients (`_keeper.after`).
+    A buffer that took a previous step's gradient by assignment shares its
+    memory with that step's slot until the slot takes this step's gradient;
+    updating the buffer in place only after that avoids a copy.
+    """
+    variables = _keeper.current_step_variables() or {}
+    return [tf.convert_to_tensor(v.value) for v in variables.values()]
 
 
 def _check_steps(name, value):
@@ -241,10 +274,8 @@ class _SmallBatches(_DynamicsMetric):
         vector = tf.stack([*local, 1.0 / tf.maximum(batch, 1.0), tf.cast(batch < 1.0, tf.float32)])
         summed = context.all_reduce(tf.distribute.ReduceOp.SUM, vector)
         n_groups = len(groups)
-        grads = _keeper.current_step_gradients()
-        big = tf.stack(
-            [_sum_of_squares([_float32(grads[p]) for p in paths]) for paths in groups.values()]
-        )
+        # The global gradient's squares, shared with the norm metrics.
+        big = _group_squares(_keeper.current_step_gradients(), groups)
         small = summed[:n_groups] / replicas
         inverse = summed[n_groups] / replicas
         ready = tf.equal(summed[n_groups + 1], 0.0)
@@ -257,31 +288,39 @@ class _SmallBatches(_DynamicsMetric):
         k = float(self.accumulation_steps)
         n_groups = len(groups)
         batch = self._step_batch_size() if self._needs_batch_size else tf.constant(1.0)
-        this_step = tf.stack(
-            [
-                *(_sum_of_squares([dense[p] for p in ps]) for ps in groups.values()),
-                1.0 / tf.maximum(batch, 1.0),
-                tf.constant(1.0),
-            ]
+        this_step = tf.concat(
+            [_group_squares(grads, groups), tf.stack([1.0 / tf.maximum(batch, 1.0), 1.0])], 0
         )
-        totals = state["totals"].read_value() + this_step
-        for p in paths:
-            state["sum"][p].assign_add(dense[p])
+        before = state["totals"].read_value()
+        totals = before + this_step
         ready = tf.equal(totals[-1], k)
+        sums = state["sum"]
+
+        def start():
+            # A window's first gradient is assigned: the buffer shares its
+            # memory (without XLA), where zeroing it would write it.
+            for p in paths:
+                sums[p].assign(dense[p], read_value=False)
+            return tf.constant(True)
+
+        def accumulate():
+            for p in paths:
+                sums[p].assign_add(dense[p], read_value=False)
+            return tf.constant(False)
+
+        if tf.executing_eagerly():
+            (start if bool(before[-1] == 0.0) else accumulate)()
+        else:
+            with tf.control_dependencies(_after_optimizer_updates()):
+                tf.cond(tf.equal(before[-1], 0.0), start, accumulate)
 
         def complete():
-            # |mean g_i|^2 of the window; then its sums restart from 0.
-            big = []
-            for ps in groups.values():
-                big.append(_sum_of_squares([state["sum"][p].read_value() for p in ps]))
-            big = tf.stack(big) / (k * k)
-            with tf.control_dependencies([big]):
-                for p in paths:
-                    state["sum"][p].assign(tf.zeros_like(dense[p]))
-            return tf.identity(big)
+            # |mean g_i|^2 of the window, once per window.
+            big = [_sum_of_squares([sums[p].read_value() for p in ps]) for ps in groups.values()]
+            return tf.stack(big) / (k * k)
 
         big = tf.cond(ready, complete, lambda: tf.zeros((n_groups,)))
-        state["totals"].assign(totals * (1.0 - tf.cast(ready, tf.float32)))
+        state["totals"].assign(totals * (1.0 - tf.cast(ready, tf.float32)), read_value=False)
         return totals[:n_groups] / k, big, totals[n_groups] / k, tf.constant(k), ready
 
     _needs_batch_size = True
@@ -601,21 +640,18 @@ class GradientCosine(_PerLayerMixin, _DynamicsMetric):
         dense = {p: _float32(grads[p]) for p in paths}
         state = self._previous(paths, [dense[p].shape for p in paths])
         groups = self._groups(paths)
-        dots, squares = [], []
-        for ps in groups.values():
-            previous = [tf.convert_to_tensor(state["gradient"][p]) for p in ps]
-            dots.append(
-                tf.add_n([tf.reduce_sum(g * h) for g, h in zip([dense[p] for p in ps], previous)])
-            )
-            squares.append(_sum_of_squares([dense[p] for p in ps]))
-        dots, squares = tf.stack(dots), tf.stack([*squares, tf.constant(1.0)])
+        held = {p: tf.convert_to_tensor(state["gradient"][p]) for p in paths}
+        dots = tf.stack(
+            [tf.add_n([tf.reduce_sum(dense[p] * held[p]) for p in ps]) for ps in groups.values()]
+        )
+        squares = tf.concat([_group_squares(grads, groups), tf.ones((1,))], 0)
         previous = state["squares"].read_value()
         cosine = dots / tf.sqrt(squares[:-1] * previous[:-1])
         primed = previous[-1] > 0.0
         # Without XLA the assignment shares the gradient's buffer, as slots do.
         for p in paths:
-            state["gradient"][p].assign(dense[p])
-        state["squares"].assign(squares)
+            state["gradient"][p].assign(dense[p], read_value=False)
+        state["squares"].assign(squares, read_value=False)
         return {key: cosine[i] for i, key in enumerate(groups)}, primed
 
     def get_config(self):

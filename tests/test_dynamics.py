@@ -150,6 +150,34 @@ def test_noise_scale_window_spans_epochs_and_logs_nan_before_its_first_estimate(
     assert history["grad_noise_scale/grad_sq"][1] == pytest.approx(198.0, rel=1e-6)
 
 
+def test_each_window_starts_from_its_own_first_gradient(mode):
+    # k = 3. Window 1: x = 1, 2, 3, g = 6, 24, 54: S = (36 + 576 + 2916) / 3
+    # = 1176, mean 28, Q = 784: |G|^2 ~ (3 * 784 - 1176) / 2 = 588,
+    # tr ~ 3 * (1176 - 784) / 2 = 588, B_simple = 1. Window 2: x = 2, 2, 1,
+    # g = 24, 24, 6: S = 396, mean 18, Q = 324: |G|^2 ~ (972 - 396) / 2 =
+    # 288, tr ~ 3 * 72 / 2 = 108, B_simple = 0.375 (with window 1's sum
+    # left in the buffer, the mean would be 46). SNR: window 1 28 /
+    # sqrt((22^2 + 4^2 + 26^2) / 2) = 2 / sqrt(3), window 2 18 /
+    # sqrt((6^2 + 6^2 + 12^2) / 2) = sqrt(3).
+    last = kgm.GradientNoiseScale(accumulation_steps=3, smoothing=0.0, components=True)
+    mean = kgm.GradientNoiseScale(accumulation_steps=3, smoothing=0.0, name="m", reduction="mean")
+    snr = kgm.GradientSNR(accumulation_steps=3)
+    # Beside them, metrics that hold the same gradients' buffers and squares.
+    others = [kgm.GradientCosine(), kgm.GradientNorm()]
+    _, history = fit_one_weight([last, mean, snr, *others], [1, 2, 3, 2, 2, 1], mode=mode)
+    assert history["grad_noise_scale/grad_sq"] == [pytest.approx(288.0, rel=1e-6)]
+    assert history["grad_noise_scale/trace_cov"] == [pytest.approx(108.0, rel=1e-6)]
+    assert history["grad_noise_scale"] == [pytest.approx(0.375, rel=1e-6)]
+    # Steps 3, 4, 5 hold window 1's estimate, step 6 window 2's.
+    assert history["m"] == [pytest.approx((3 * 1.0 + 0.375) / 4, rel=1e-6)]
+    assert history["grad_snr/dense_0"] == [
+        pytest.approx((2 / math.sqrt(3) + math.sqrt(3)) / 2, rel=1e-6)
+    ]
+    # All gradients positive: each cosine is 1; the norms' mean is 138 / 6.
+    assert history["grad_cosine"] == [pytest.approx(1.0, rel=1e-6)]
+    assert history["grad_norm"] == [23.0]
+
+
 def test_noise_scale_combines_unequal_batches_harmonically():
     # x = [1, 2, 2], batches of 2: step 1 (x = 1, 2) has g = 15 over b = 2,
     # step 2 (x = 2) g = 24 over b = 1. S = (225 + 576) / 2 = 400.5,
@@ -539,6 +567,8 @@ def test_overhead_benchmark_smoke_writes_every_variant(tmp_path):
         "snr",
         "cosine",
         "cosine_per_layer",
+        "floor_window",
+        "floor_dot",
     ]
     for variant in result["variants"].values():
         assert variant["step_ms"] > 0 and math.isfinite(variant["beyond_control"]["median"])
