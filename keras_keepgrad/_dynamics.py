@@ -159,7 +159,7 @@ class _DynamicsMetric(GradientMetric):
                 f"{type(self).__name__} runs on the TensorFlow backend only. "
                 f"Received: KERAS_BACKEND={backend!r}. Use "
                 "KERAS_BACKEND=tensorflow for it; the other gradient metrics "
-                "run on TensorFlow and JAX."
+                "run on TensorFlow, JAX and PyTorch."
             )
         super().__init__(fn=None, **kwargs)
         self._counted = self.add_variable(
