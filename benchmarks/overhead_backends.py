@@ -40,6 +40,29 @@ import numpy as np  # noqa: E402
 import keras_keepgrad as kg  # noqa: E402
 
 VARIANTS = ("plain", "control", "kept")
+# On PyTorch also the floor of keeping: a plain model that copies every
+# gradient after its step, one parameter-sized write (on JAX, XLA's cost
+# analysis below counts the bytes instead).
+TORCH_VARIANTS = (*VARIANTS, "floor")
+
+
+def variants():
+    return TORCH_VARIANTS if keras.backend.backend() == "torch" else VARIANTS
+
+
+def _floor_model(inputs, outputs):
+    import torch
+
+    class CopyingModel(keras.Model):
+        def train_step(self, data):
+            logs = super().train_step(data)
+            with torch.no_grad():
+                self.copies = [v.value.grad.clone() for v in self.trainable_weights]
+            return logs
+
+    return CopyingModel(inputs, outputs)
+
+
 BACKENDS = ("jax", "torch")
 
 
@@ -83,8 +106,10 @@ def model_specs(smoke):
 def make(variant, build):
     keras.utils.set_random_seed(0)
     inputs, outputs = build()
-    cls = kg.KeepGradModel if variant == "kept" else keras.Model
-    model = cls(inputs, outputs)
+    if variant == "floor":
+        model = _floor_model(inputs, outputs)
+    else:
+        model = (kg.KeepGradModel if variant == "kept" else keras.Model)(inputs, outputs)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-4),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -133,19 +158,20 @@ def measure(name, build, batch_size, shape, rounds, steps):
     rng = np.random.default_rng(0)
     x = rng.random((batch_size * steps, *shape), "float32")
     y = rng.integers(0, 10, (batch_size * steps,))
-    models = {v: make(v, build) for v in VARIANTS}
+    names = variants()
+    models = {v: make(v, build) for v in names}
     for model in models.values():  # compile and warm up
         train(model, x[: 2 * batch_size], y[: 2 * batch_size], batch_size)
     params = sum(int(np.prod(v.shape)) for v in models["plain"].trainable_variables)
     jax_backend = keras.backend.backend() == "jax"
     costs = xla_cost(models, x, y, batch_size) if jax_backend else None
-    ratios = {v: [] for v in VARIANTS if v != "plain"}
-    seconds = {v: [] for v in VARIANTS}
+    ratios = {v: [] for v in names if v != "plain"}
+    seconds = {v: [] for v in names}
     plain_ms = []
     for r in range(rounds):
-        order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
+        order = names[r % len(names) :] + names[: r % len(names)]
         times = {v: train(models[v], x, y, batch_size) for v in order}
-        for v in VARIANTS:
+        for v in names:
             seconds[v].append(times[v])
         plain_ms.append(1000 * times["plain"] / steps)
         for v in ratios:
@@ -164,6 +190,10 @@ def measure(name, build, batch_size, shape, rounds, steps):
         # Robust to load from other processes: each variant's fastest round.
         "fastest_ratio": {v: min(seconds[v]) / min(seconds["plain"]) for v in ratios},
     }
+    if "floor" in ratios:
+        # Paired per round: what keeping adds beyond its one write.
+        beyond = [k - f for k, f in zip(ratios["kept"], ratios["floor"])]
+        result["kept_beyond_floor_median"] = statistics.median(beyond)
     if costs is not None:
         result.update(
             xla_bytes_accessed={v: c[0] for v, c in costs.items()},
@@ -176,11 +206,15 @@ def measure(name, build, batch_size, shape, rounds, steps):
 
 def markdown(results):
     xla = "extra_bytes_in_parameter_writes" in results[0]
+    floor = "kept_beyond_floor_median" in results[0]
     lines = [
         "| model | parameters | plain ms/step | control / plain | kept / plain "
         "| fastest rounds, control / plain | fastest rounds, kept / plain |"
+        + (" floor / plain | kept beyond floor |" if floor else "")
         + (" extra XLA bytes accessed, in parameter writes |" if xla else ""),
-        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if xla else ""),
+        "|---|---:|---:|---:|---:|---:|---:|"
+        + ("---:|---:|" if floor else "")
+        + ("---:|" if xla else ""),
     ]
     for res in results:
         spread = {v: (min(rs), max(rs)) for v, rs in res["ratios"].items()}
@@ -190,6 +224,12 @@ def markdown(results):
             f"{spread['control'][1]:.3f}) | {res['median']['kept']:.3f} "
             f"({spread['kept'][0]:.3f}-{spread['kept'][1]:.3f}) | "
             f"{res['fastest_ratio']['control']:.3f} | {res['fastest_ratio']['kept']:.3f} |"
+            + (
+                f" {res['median']['floor']:.3f} ({spread['floor'][0]:.3f}-"
+                f"{spread['floor'][1]:.3f}) | {res['kept_beyond_floor_median']:+.3f} |"
+                if floor
+                else ""
+            )
             + (f" {res['extra_bytes_in_parameter_writes']:.2f} |" if xla else "")
         )
     return "\n".join(lines)

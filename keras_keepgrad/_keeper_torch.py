@@ -15,23 +15,34 @@ receives. The keeper holds those values, detached, outside Keras's
 variables: never in `model.weights`, saved files or exports.
 
 On a step that writes the slots, a gradient the optimizer receives as it
-is (no loss scale to divide out) is copied before `apply` runs: one
-parameter-sized write, the same as on the other backends. So the kept
-value is what the update received whatever later writes the parameter's
-`.grad` in place (`zero_grad(set_to_none=False)`, an accumulating
-`backward()`), and a tensor read from `model.gradients` never changes
-afterwards. Unscaled gradients are new tensors already and are not
-copied again. Holding the `.grad` tensors themselves instead would copy
-nothing, but measured slower: the next `backward()` then writes into
-fresh buffers instead of the ones just freed.
+is (no loss scale to divide out) is copied: one parameter-sized write, the
+same as on the other backends. So the kept value is what the update
+received whatever later writes the parameter's `.grad` in place
+(`zero_grad(set_to_none=False)`, an accumulating `backward()`), and a
+tensor read from `model.gradients` never changes afterwards. Unscaled
+gradients are new tensors already and are not copied again.
+
+When to copy was measured (`benchmarks/overhead_backends.py`, the 1M MLP
+with Adam): copying right after `apply` costs what a bare copy of the
+gradients costs, while copying before it, or holding the `.grad` tensors
+themselves, added several percent more. But only a copy made before
+`apply` is sure to hold what it received, should the update write its
+gradients in place (Keras's own optimizers only read them). So an
+optimizer's first step is copied before its update, and PyTorch's version
+counter of each gradient (`tensor._version`, which every in-place write
+increments) tells whether the update wrote it; if not, its later steps are
+copied after, each checked the same way. An update that wrote a gradient
+after earlier ones had not raises, rather than keeping a value it did not
+receive.
 
 Nothing here imports TensorFlow. Written against Keras 3.15's PyTorch
 trainer; besides Keras's public API it reads the torch tensor behind a
-variable (`variable.value`).
+variable (`variable.value`) and a tensor's version counter.
 """
 
 import itertools
 import types
+import weakref
 
 import keras
 import numpy as np
@@ -100,6 +111,17 @@ def current_step_updates():
     return None if step is None else step.backend_state.updates
 
 
+def _written_message(optimizer, paths):
+    return (
+        f"The update of optimizer {optimizer.name!r} wrote the gradients of "
+        f"{paths} in place, which its earlier steps did not: this step's "
+        "kept gradients would not be what it received, so none are kept. "
+        "The next steps copy its gradients before the update and keep them "
+        "exactly. An optimizer's `update_step` should not write its "
+        "`gradient` argument."
+    )
+
+
 _KEEPER_SERIALS = itertools.count()
 
 
@@ -133,6 +155,8 @@ class GradientKeeper:
         self.trainable_paths = None
         self.slots = None
         self.record_updates = False
+        # `{optimizer: whether its last apply left its gradients unwritten}`.
+        self._reads_only = weakref.WeakKeyDictionary()
         self._serial = next(_KEEPER_SERIALS)
         self._steps = 0
         self._written = -1
@@ -166,8 +190,8 @@ class GradientKeeper:
 
     def _own(self, step, kept, given):
         """`kept`, detached; on a step that writes the slots, a gradient
-        that is one of the tensors `given` to the update is copied (see the
-        module's docstring)."""
+        that is one of the tensors `given` is copied (a step without an
+        optimizer: `keep_given`)."""
         write = step.backend_state.write
         return [
             densify(k).detach().clone() if write and k is g else densify(k).detach()
@@ -192,9 +216,33 @@ class GradientKeeper:
             What `apply` returns.
         """
         with torch.no_grad():
-            kept = self._own(step, unscale(optimizer, variables, grads), grads)
+            unscaled = unscale(optimizer, variables, grads)
+            kept = [densify(k).detach() for k in unscaled]
+            # The gradients `apply` receives as they are, to be copied.
+            shared = []
+            if step.backend_state.write:
+                shared = [i for i, (k, g) in enumerate(zip(unscaled, grads)) if k is g]
+            reads_only = self._reads_only.get(optimizer, False)
+            if not reads_only:
+                for i in shared:
+                    kept[i] = kept[i].clone()
+            versions = [grads[i]._version for i in shared]
             before = [v.value.detach().clone() for v in variables] if self.record_updates else None
         result = apply(grads)
+        written = [i for i, seen in zip(shared, versions) if grads[i]._version != seen]
+        if not reads_only:
+            # Copied before the update; after it from the next step on, if
+            # this one left every gradient unwritten (cheaper: see the
+            # module's docstring).
+            if shared:
+                self._reads_only[optimizer] = not written
+        elif written:
+            self._reads_only[optimizer] = False
+            raise RuntimeError(_written_message(optimizer, [variables[i].path for i in written]))
+        else:
+            with torch.no_grad():
+                for i in shared:
+                    kept[i] = kept[i].clone()
         self._add(step, variables, kept)
         updates = step.backend_state.updates
         for i, variable in enumerate(variables):

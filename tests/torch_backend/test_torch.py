@@ -22,6 +22,7 @@ from conftest import Recorder
 from conftest import X
 from conftest import Y
 from conftest import dense_0
+from conftest import fit_batches
 from conftest import kernel
 from conftest import one_weight
 
@@ -38,17 +39,6 @@ def fit_once(model, optimizer=None, batches=1, **compile_kwargs):
         batch_size=2,
         shuffle=False,
         verbose=0,
-    )
-
-
-def fit_batches(model, batches, callback):
-    model.fit(
-        np.tile(X, (batches, 1)),
-        np.tile(Y, (batches, 1)),
-        batch_size=2,
-        shuffle=False,
-        verbose=0,
-        callbacks=[callback],
     )
 
 
@@ -95,7 +85,7 @@ def test_three_steps_follow_the_weight(mode):
     model = one_weight()
     rec = Recorder()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
-    fit_batches(model, 3, rec)
+    fit_batches(model, 3, callbacks=[rec])
     assert rec.seen == [15.0, 7.5, 3.75]
     assert rec.seen == [reference_grad(w) for w in (3.0, 1.5, 0.75)]
 
@@ -206,7 +196,7 @@ def test_loss_scale_optimizer_keeps_the_unscaled_gradient_once(monkeypatch):
     model = one_weight()
     rec = Recorder()
     model.compile(optimizer=optimizer, loss="mse")
-    fit_batches(model, 2, rec)
+    fit_batches(model, 2, callbacks=[rec])
     assert calls == ["LossScaleOptimizer", "LossScaleOptimizer"]  # one per step
     assert rec.seen == [15.0, 7.5]
     assert float(model.get_weights()[0][0, 0]) == 0.75
@@ -251,7 +241,7 @@ def test_adam_clipping_and_weight_decay_leave_the_held_gradient_as_received():
         model = one_weight()
         rec = Recorder()
         model.compile(optimizer=optimizer, loss="mse")
-        fit_batches(model, 2, rec)
+        fit_batches(model, 2, callbacks=[rec])
         assert rec.seen[0] == 15.0
         assert rec.seen[1] == pytest.approx(5.0 * w1, rel=1e-5)  # 5w at w1
 
@@ -271,7 +261,7 @@ def test_jit_compile_falls_back_to_eager_with_a_warning():
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
     assert model.jit_compile is False
     rec = Recorder()
-    fit_batches(model, 2, rec)
+    fit_batches(model, 2, callbacks=[rec])
     assert rec.seen == [15.0, 7.5]
 
 
@@ -320,7 +310,15 @@ def test_a_step_that_keeps_nothing_says_so_everywhere(tmp_path):
     model = _HandUpdate(inputs, dense_0()(inputs), keep=False)
     model.compile(loss="mse")
     snapshot = kg.callbacks.GradientSnapshot(str(tmp_path / "s{step}.npz"), every=1)
-    seen = user_warnings(fit_batches, model, 2, snapshot)
+    seen = user_warnings(
+        model.fit,
+        np.tile(X, (2, 1)),
+        np.tile(Y, (2, 1)),
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[snapshot],
+    )
     assert len(seen) == 1 and "passed no gradients to an optimizer" in seen[0]  # once
     assert list(tmp_path.iterdir()) == []  # no file of placeholders
     with pytest.raises(RuntimeError, match="keep_step_gradients"):
@@ -431,7 +429,7 @@ def test_zeroing_in_place_before_backward_keeps_every_step():
         )
     )
     net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    fit_batches(net, 3, callback)
+    fit_batches(net, 3, callbacks=[callback])
     assert rec == [15.0, 7.5, 3.75]
 
 
@@ -447,7 +445,7 @@ def test_keep_every_holds_its_copy_through_in_place_zeroing():
         )
     )
     net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    fit_batches(net, 5, callback)
+    fit_batches(net, 5, callbacks=[callback])
     assert rec == [15.0, 15.0, 3.75, 3.75, 0.9375]
 
 
@@ -524,7 +522,7 @@ def test_gradient_histograms_are_written(tmp_path):
     model = one_weight()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     callback = kg.callbacks.GradientTensorBoard(str(tmp_path), histogram_freq=1)
-    fit_batches(model, 2, callback)
+    fit_batches(model, 2, callbacks=[callback])
     acc = event_accumulator.EventAccumulator(
         str(tmp_path / "train"), size_guidance={event_accumulator.TENSORS: 0}
     )
@@ -557,3 +555,52 @@ def test_benchmark_smoke_on_pytorch(tmp_path):
         # XLA's cost analysis is JAX's only.
         assert "xla_flops" not in r
     assert "XLA" not in written["table"]
+
+
+class _ZeroingSGD(keras.optimizers.SGD):
+    """SGD whose update zeroes the gradients it receives, in place, from
+    step `from_step` (counted from 1) on."""
+
+    def __init__(self, from_step=1, **kwargs):
+        super().__init__(**kwargs)
+        self.from_step = from_step
+        self.calls = 0
+
+    def apply(self, grads, trainable_variables=None):
+        result = super().apply(grads, trainable_variables)
+        self.calls += 1
+        if self.calls >= self.from_step:
+            for g in grads:
+                g.zero_()
+        return result
+
+
+def test_an_update_that_writes_its_gradients_is_kept_as_it_received_them():
+    # Its first step shows the writes: every step is copied before the update.
+    model = one_weight()
+    optimizer = _ZeroingSGD(learning_rate=0.1)
+    model.compile(optimizer=optimizer, loss="mse")
+    rec = fit_batches(model, 3)
+    assert rec.seen == [15.0, 7.5, 3.75]
+    assert float(model.trainable_variables[0].value.grad[0, 0]) == 0.0
+    assert model._keeper._reads_only[optimizer] is False
+
+
+def test_keras_updates_only_read_their_gradients_so_later_steps_copy_after():
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+    rec = fit_batches(model, 2)
+    assert rec.seen[0] == 15.0
+    assert model._keeper._reads_only[model.optimizer] is True
+
+
+def test_an_update_that_starts_writing_its_gradients_raises():
+    model = one_weight()
+    model.compile(optimizer=_ZeroingSGD(from_step=2, learning_rate=0.1), loss="mse")
+    model.train_on_batch(X, Y)
+    assert float(kernel(model)[0, 0]) == 15.0
+    with pytest.raises(RuntimeError, match=r"wrote the gradients of \['dense_0/kernel'\] in place"):
+        model.train_on_batch(X, Y)
+    # From then on it is copied before the update: 5w at w = 1.5 - 0.1 * 7.5.
+    model.train_on_batch(X, Y)
+    assert float(kernel(model)[0, 0]) == 3.75
