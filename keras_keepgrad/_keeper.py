@@ -311,7 +311,10 @@ def _spec_of(grad, dense_shape, sparse):
             # workers) gathers rows whose static shape it does not keep.
             return ("sparse", values.dtype, tuple(dense_shape[1:]))
         return ("dense", values.dtype, tuple(dense_shape))
-    return ("dense", grad.dtype, tuple(grad.shape))
+    # A dense gradient has its variable's shape. Where the step's inputs
+    # have unknown dimensions (a dataset without a full spec, such as an
+    # iterable torch DataLoader), the trace leaves some of it unknown.
+    return ("dense", grad.dtype, tuple(grad.shape.merge_with(dense_shape)))
 
 
 def _slot_name(path):

@@ -58,6 +58,32 @@ def test_kept_gradient_is_5w_and_the_sgd_step(mode):
     np.testing.assert_allclose(kept, (W0 - new_w) / 0.1, rtol=1e-6)
 
 
+class _OneWeightNet(kg.KeepGradModel):
+    """The one-weight model, subclassed: built in the step from its input."""
+
+    def __init__(self):
+        super().__init__(name="net")
+        self.dense = dense_0()
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_inputs_of_unknown_shape_keep_the_variables_shape(mode):
+    # A dataset whose spec leaves every dimension unknown (as an iterable
+    # torch DataLoader's does) for a built model: the traced kernel
+    # gradient is (None, 1), the kernel (1, 1).
+    spec = tf.TensorSpec((None, None), tf.float32)
+    data = tf.data.Dataset.from_generator(lambda: iter([(X, Y)]), output_signature=(spec, spec))
+    data = data.apply(tf.data.experimental.assert_cardinality(1))
+    model = _OneWeightNet()
+    model(X)  # built eagerly
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
+    model.fit(data, epochs=1, verbose=0, shuffle=False)
+    np.testing.assert_array_equal(model.gradients["net"]["dense_0"]["kernel"], [[15.0]])
+    assert model.get_weights()[0][0, 0] == 1.5
+
+
 def test_every_batch_is_kept_in_order(mode):
     # Three identical batches: 5w with w = 3, 1.5, 0.75.
     model = one_weight()
