@@ -118,3 +118,13 @@ def in_symbolic_build():
     metrics' state before training; no public API tells that apart.
     """
     return in_symbolic_scope() or in_stateless_scope()
+
+
+def tf_optimizer_class():
+    """The base of Keras's TensorFlow optimizers, whose
+    `_all_reduce_sum_gradients` sums the replicas' gradients in an update
+    under a `tf.distribute` strategy (Keras 3.15); no public API exposes
+    the sums."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    return TFOptimizer

@@ -19,6 +19,7 @@ slot is dense and XLA computes the dense tensor once for both.
 
 import collections
 import contextlib
+import functools
 import itertools
 import re
 import types
@@ -27,6 +28,7 @@ import keras
 import tensorflow as tf
 
 from keras_keepgrad import _capture
+from keras_keepgrad import _compat
 from keras_keepgrad import _stats
 from keras_keepgrad._capture import evaluation_step
 from keras_keepgrad._capture import in_evaluation_step
@@ -189,6 +191,40 @@ def all_reduce_sum(grads):
     if context is None or context.num_replicas_in_sync == 1 or not grads:
         return grads
     return list(context.all_reduce(tf.distribute.ReduceOp.SUM, grads))
+
+
+def _reusing_reductions(all_reduce_sum_gradients):
+    """Wraps an optimizer's `_all_reduce_sum_gradients`: in a training step
+    of a `KeepGradModel`, each reduced gradient that is a kept partial
+    gradient, as the update received it (no clipping, no loss-scale
+    division, no accumulation in between), serves reads of the step's
+    global gradients (`current_step_gradients`), which would otherwise
+    all-reduce the same tensors a second time."""
+
+    @functools.wraps(all_reduce_sum_gradients)
+    def reusing(optimizer, grads_and_vars):
+        grads_and_vars = list(grads_and_vars)
+        result = all_reduce_sum_gradients(optimizer, grads_and_vars)
+        step = _capture.current_step()
+        state = getattr(step, "backend_state", None)
+        passed = getattr(state, "passed", None)
+        if passed:
+            for (grad, _), (summed, _) in zip(grads_and_vars, result):
+                entry = passed.get(id(grad))
+                if entry is not None and entry[0] is grad and summed is not None:
+                    state.summed_by_update[entry[1]] = summed
+        return result
+
+    reusing._keepgrad_reusing = True
+    return reusing
+
+
+def install_reduction_reuse():
+    """Wraps TensorFlow optimizers' all-reduce once (`_reusing_reductions`)."""
+    optimizer_class = _compat.tf_optimizer_class()
+    method = optimizer_class._all_reduce_sum_gradients
+    if not getattr(method, "_keepgrad_reusing", False):
+        optimizer_class._all_reduce_sum_gradients = _reusing_reductions(method)
 
 
 def reduces_in_step(strategy):
@@ -487,7 +523,9 @@ class GradientKeeper:
 
     def begin_step(self, step):
         """Before the model's `train_step`: what this step writes under."""
-        step.backend_state = types.SimpleNamespace(summed={}, write_now=None)
+        step.backend_state = types.SimpleNamespace(
+            summed={}, write_now=None, passed={}, summed_by_update={}
+        )
         if self.every > 1:
             if self._step is None:
                 self._create_step_counter(self.strategy)
@@ -535,8 +573,24 @@ class GradientKeeper:
         else:
             kept, reduced, writes = self.store(variables, kept, step)
             # Each slot write before the update of its variable: see `after`.
-            result = apply(agree_on_skip(optimizer, after(writes, grads)))
+            passed = agree_on_skip(optimizer, after(writes, grads))
+            state = step.backend_state
+            if not reduced and tf.distribute.get_replica_context() is not None:
+                # Partial gradients the update receives as they are kept:
+                # its own all-reduce of them gives their global sums.
+                state.passed = {
+                    id(p): (p, v.path)
+                    for v, g, k, p in zip(variables, grads, kept, passed)
+                    if k is g and p is not None
+                }
+            try:
+                result = apply(passed)
+            finally:
+                state.passed = {}
         self._record(step, variables, kept, reduced)
+        # After `_record`, which drops sums of earlier calls for them.
+        step.backend_state.summed.update(step.backend_state.summed_by_update)
+        step.backend_state.summed_by_update = {}
         return result
 
     def keep_given(self, step, variables, grads):

@@ -376,6 +376,8 @@ class KeepGradModel(keras.Model):
             return self.train_function
         if self._keep_gradients:
             _capture.install()
+            if _compat.BACKEND == "tensorflow":
+                _keeper.install_reduction_reuse()
             # Fresh slots, made as the new training function is first
             # traced, from what its optimizers receive.
             self._keeper = self._new_keeper()

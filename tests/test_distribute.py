@@ -147,6 +147,24 @@ def test_one_weight_model_keeps_the_global_gradient(mirrored):
     assert "loss" in r["evaluate"] and "grad_norm" not in r["evaluate"]
 
 
+def test_a_metric_reads_the_sums_the_optimizer_all_reduced(mirrored):
+    r = _ok(mirrored, "reduction_reuse")
+    # Plain SGD all-reduces the kept partial gradients 3 and 12 as they
+    # are: `GradientNorm` reads that sum, 15, with no all-reduce of its own.
+    assert r["sgd"]["grad_norm"] == [15.0]
+    assert r["sgd"]["gradients"] == {"dense_0": {"kernel": [[15.0]]}}
+    assert r["sgd"]["weight"] == 1.5
+    assert r["sgd"]["all_reduces"] == []
+    # With `clipnorm=1` Keras clips each replica's partial gradient to 1
+    # before summing (w = 3 - 0.1 * 2): that sum is not the kept one, so
+    # the metric all-reduces the kept gradient itself: one tensor, in each
+    # replica's trace of the step (Keras traces it more than once).
+    assert r["clipnorm"]["grad_norm"] == [15.0]
+    assert r["clipnorm"]["gradients"] == {"dense_0": {"kernel": [[15.0]]}}
+    assert r["clipnorm"]["weight"] == pytest.approx(2.8, rel=1e-6)
+    assert r["clipnorm"]["all_reduces"] and set(r["clipnorm"]["all_reduces"]) == {1}
+
+
 def test_saved_gradients_restore_into_replica_slots(mirrored):
     r = _ok(mirrored, "save_gradients")
     # Saved after step 1 (15), trained on (w = 1.5 keeps 7.5), loaded back:
@@ -627,6 +645,46 @@ def _mirrored_scenarios():
     _scenario(results, "wrapped_outside", _scenario_wrapped_outside_the_scope, strategy)
     _scenario(results, "fit_in_scope", _scenario_fit_in_scope, strategy)
     _scenario(results, "own_step", _scenario_own_step, strategy)
+    _scenario(results, "reduction_reuse", _scenario_reduction_reuse, strategy)
+    return results
+
+
+def _scenario_reduction_reuse(strategy):
+    """How often reading the global gradient all-reduces it in the step."""
+    import keras
+
+    import keras_keepgrad as kg
+    from keras_keepgrad import _keeper
+
+    original = _keeper.all_reduce_sum
+    calls = []
+
+    def counting(grads):
+        grads = list(grads)
+        calls.append(len(grads))
+        return original(grads)
+
+    _keeper.all_reduce_sum = counting
+    results = {}
+    try:
+        for name, options in (("sgd", {}), ("clipnorm", {"clipnorm": 1.0})):
+            calls.clear()
+            model = _one_weight_model(kg.KeepGradModel, strategy)
+            with strategy.scope():
+                model.compile(
+                    optimizer=keras.optimizers.SGD(0.1, **options),
+                    loss="mse",
+                    metrics=[kg.metrics.GradientNorm()],
+                )
+            history = _fit(model, _dataset(X, Y, batch_size=2))
+            results[name] = {
+                "grad_norm": [float(v) for v in history.history["grad_norm"]],
+                "gradients": _tolist(model.gradients),
+                "weight": _weight(model),
+                "all_reduces": list(calls),
+            }
+    finally:
+        _keeper.all_reduce_sum = original
     return results
 
 
