@@ -18,6 +18,7 @@ at the outermost call: what the user's step handed over.
 
 import contextlib
 import functools
+import itertools
 import threading
 import warnings
 
@@ -25,6 +26,7 @@ import keras
 from keras import ops
 
 __all__ = [
+    "HostCountedKeeper",
     "Step",
     "current_step",
     "do_not_convert",
@@ -77,6 +79,57 @@ class Step:
             self.grads[variable.path] = grad
             self.variables[variable.path] = variable
         self.reduced = self.reduced and reduced
+
+
+_KEEPER_SERIALS = itertools.count()
+
+
+class HostCountedKeeper:
+    """What the JAX and PyTorch keepers share: their steps are counted in
+    Python, around the step, and their slots are held by the keeper.
+
+    Attributes:
+        every: Positive int. Slots are written on steps 1, 1 + every, ...
+        paths: Paths of the variables the training function keeps, in
+            `model.trainable_variables` order; `()` when its step passed
+            no gradient to any optimizer; None before its first step.
+        trainable_paths: The model's trainable variable paths at its last
+            step.
+        slots: The kept gradients, or None.
+    """
+
+    def __init__(self, every=1):
+        self.every = every
+        self.paths = None
+        self.trainable_paths = None
+        self.slots = None
+        self._serial = next(_KEEPER_SERIALS)
+        self._steps = 0
+        self._written = -1
+        self._warned_missing = False
+
+    @property
+    def built(self):
+        return self.paths is not None
+
+    @property
+    def kept_nothing(self):
+        """Whether the last step had trainable variables but kept nothing."""
+        return self.paths == () and bool(self.trainable_paths)
+
+    def has_sparse_slots(self):
+        """Gradients here are dense: never."""
+        return False
+
+    def writes_next(self):
+        """Whether the next step writes the slots (steps 1, 1 + every, ...)."""
+        return self._steps % self.every == 0
+
+    def last_write(self):
+        """`(write, age)`, as `_keeper.GradientKeeper.last_write`."""
+        if self.every == 1 or self._written < 0:
+            return None, 0
+        return (self._serial, self._written), self._steps - 1 - self._written
 
 
 def unscale(optimizer, variables, grads, map_values=None):

@@ -31,7 +31,6 @@ and `model._make_function()` (as `JAXTrainer.make_train_function` does).
 """
 
 import functools
-import itertools
 import types
 
 import jax
@@ -104,10 +103,7 @@ def current_step_updates():
     return None if step is None else step.backend_state.updates
 
 
-_KEEPER_SERIALS = itertools.count()
-
-
-class GradientKeeper:
+class GradientKeeper(_capture.HostCountedKeeper):
     """Holds one model's kept gradients on JAX, keyed by variable path.
 
     The slots are arrays held by this object (not `keras.Variable`s), so
@@ -131,29 +127,9 @@ class GradientKeeper:
     """
 
     def __init__(self, every=1):
-        self.every = every
-        self.paths = None
-        self.trainable_paths = None
-        self.slots = None
+        super().__init__(every)
         self.layouts = None
         self.compiled_step = None
-        self._serial = next(_KEEPER_SERIALS)
-        self._steps = 0
-        self._written = -1
-        self._warned_missing = False
-
-    @property
-    def built(self):
-        return self.paths is not None
-
-    @property
-    def kept_nothing(self):
-        """Whether the traced step had trainable variables but kept nothing."""
-        return self.paths == () and bool(self.trainable_paths)
-
-    def has_sparse_slots(self):
-        """JAX gradients are dense: never."""
-        return False
 
     # One training step (traced) -----------------------------------------
 
@@ -215,22 +191,12 @@ class GradientKeeper:
 
     # Between steps ------------------------------------------------------
 
-    def writes_next(self):
-        """Whether the next step writes the slots (steps 1, 1 + every, ...)."""
-        return self._steps % self.every == 0
-
     def stepped(self, kept):
         """Counts one step; `kept` (or None) are its slots, if it wrote them."""
         if kept is not None:
             self.slots = list(kept)
             self._written = self._steps
         self._steps += 1
-
-    def last_write(self):
-        """`(write, age)`, as `_keeper.GradientKeeper.last_write`."""
-        if self.every == 1 or self._written < 0:
-            return None, 0
-        return (self._serial, self._written), self._steps - 1 - self._written
 
     def slot_dtypes(self):
         """`{path: dtype}` of the slots the training function writes."""

@@ -40,7 +40,6 @@ trainer; besides Keras's public API it reads the torch tensor behind a
 variable (`variable.value`) and a tensor's version counter.
 """
 
-import itertools
 import types
 import weakref
 
@@ -122,10 +121,7 @@ def _written_message(optimizer, paths):
     )
 
 
-_KEEPER_SERIALS = itertools.count()
-
-
-class GradientKeeper:
+class GradientKeeper(_capture.HostCountedKeeper):
     """Holds one model's kept gradients on PyTorch, keyed by variable path.
 
     The slots are detached tensors of what the optimizers received
@@ -149,31 +145,11 @@ class GradientKeeper:
     """
 
     def __init__(self, every=1, name=None):
-        self.every = every
+        super().__init__(every)
         self.name = name
-        self.paths = None
-        self.trainable_paths = None
-        self.slots = None
         self.record_updates = False
         # `{optimizer: whether its last apply left its gradients unwritten}`.
         self._reads_only = weakref.WeakKeyDictionary()
-        self._serial = next(_KEEPER_SERIALS)
-        self._steps = 0
-        self._written = -1
-        self._warned_missing = False
-
-    @property
-    def built(self):
-        return self.paths is not None
-
-    @property
-    def kept_nothing(self):
-        """Whether the last step had trainable variables but kept nothing."""
-        return self.paths == () and bool(self.trainable_paths)
-
-    def has_sparse_slots(self):
-        """The kept gradients are dense: never."""
-        return False
 
     # One training step ---------------------------------------------------
 
@@ -263,16 +239,6 @@ class GradientKeeper:
         return list(grads)
 
     # Between steps -------------------------------------------------------
-
-    def writes_next(self):
-        """Whether the next step writes the slots (steps 1, 1 + every, ...)."""
-        return self._steps % self.every == 0
-
-    def last_write(self):
-        """`(write, age)`, as `_keeper.GradientKeeper.last_write`."""
-        if self.every == 1 or self._written < 0:
-            return None, 0
-        return (self._serial, self._written), self._steps - 1 - self._written
 
     def _slot_dict(self):
         if self.slots is None:
