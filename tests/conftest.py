@@ -107,6 +107,19 @@ class Recorder(keras.callbacks.Callback):
         self.batches.append((self._epoch, batch))
 
 
+def fit_once(model, optimizer=None, batches=1, **compile_kwargs):
+    """Compiles `model` (mse, SGD(0.1) by default) and fits `batches`
+    identical batches of `X`, `Y`; returns the `History`."""
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1), loss="mse", **compile_kwargs)
+    return model.fit(
+        np.tile(X, (batches, 1)),
+        np.tile(Y, (batches, 1)),
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+    )
+
+
 def fit_batches(model, n, **fit_kwargs):
     """Fits `n` identical batches of `X`, `Y` in order; returns their `Recorder`."""
     rec = Recorder()

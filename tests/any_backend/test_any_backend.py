@@ -14,37 +14,16 @@ import h5py
 import keras
 import numpy as np
 import pytest
-from conftest import Recorder
 from conftest import X
 from conftest import Y
+from conftest import fit_batches
+from conftest import fit_once
 from conftest import kernel
 from conftest import one_weight
 
 import keras_keepgrad as kg
 
 assert keras.backend.backend() in ("jax", "torch"), "run with KERAS_BACKEND=jax or torch"
-
-
-def fit_once(model, optimizer=None, batches=1, **compile_kwargs):
-    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1), loss="mse", **compile_kwargs)
-    return model.fit(
-        np.tile(X, (batches, 1)),
-        np.tile(Y, (batches, 1)),
-        batch_size=2,
-        shuffle=False,
-        verbose=0,
-    )
-
-
-def fit_batches(model, batches, callback):
-    model.fit(
-        np.tile(X, (batches, 1)),
-        np.tile(Y, (batches, 1)),
-        batch_size=2,
-        shuffle=False,
-        verbose=0,
-        callbacks=[callback],
-    )
 
 
 def test_subclassed_and_wrapped_models():
@@ -124,8 +103,7 @@ def test_mixed_precision_is_unscaled(policy):
     if policy == "mixed_float16":
         # Keras wraps the optimizer itself under mixed_float16.
         assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
-    rec = Recorder()
-    fit_batches(model, 4, rec)
+    rec = fit_batches(model, 4)
     # As on TensorFlow: 3, 6, 1.5, 3 and their squares are exact in float16
     # and bfloat16.
     if policy == "mixed_bfloat16":
@@ -150,9 +128,8 @@ def test_static_loss_scale_factor_is_divided_out():
 
 def test_keep_every_writes_steps_1_3_5_and_holds_between(mode):
     model = one_weight(keep_every=2)
-    rec = Recorder()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
-    fit_batches(model, 5, rec)
+    rec = fit_batches(model, 5)
     assert rec.seen == [15.0, 15.0, 3.75, 3.75, 0.9375]
 
 

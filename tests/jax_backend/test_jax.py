@@ -20,38 +20,17 @@ import keras
 import numpy as np
 import pytest
 from conftest import W0
-from conftest import Recorder
 from conftest import X
 from conftest import Y
 from conftest import dense_0
+from conftest import fit_batches
+from conftest import fit_once
 from conftest import kernel
 from conftest import one_weight
 
 import keras_keepgrad as kg
 
 assert keras.backend.backend() == "jax", "run this directory with KERAS_BACKEND=jax"
-
-
-def fit_once(model, optimizer=None, batches=1, **compile_kwargs):
-    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1), loss="mse", **compile_kwargs)
-    return model.fit(
-        np.tile(X, (batches, 1)),
-        np.tile(Y, (batches, 1)),
-        batch_size=2,
-        shuffle=False,
-        verbose=0,
-    )
-
-
-def fit_batches(model, batches, callback):
-    model.fit(
-        np.tile(X, (batches, 1)),
-        np.tile(Y, (batches, 1)),
-        batch_size=2,
-        shuffle=False,
-        verbose=0,
-        callbacks=[callback],
-    )
 
 
 def reference_grad(w):
@@ -80,9 +59,8 @@ def test_functional_model_keeps_the_exact_gradient(mode):
 
 def test_three_steps_follow_the_weight(mode):
     model = one_weight()
-    rec = Recorder()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
-    fit_batches(model, 3, rec)
+    rec = fit_batches(model, 3)
     assert rec.seen == [15.0, 7.5, 3.75]
     assert rec.seen == [reference_grad(w) for w in (3.0, 1.5, 0.75)]
 
@@ -179,9 +157,8 @@ def test_keep_step_gradients_without_optimizer():
 
 def test_steps_per_execution_keeps_the_last_step():
     model = one_weight()
-    rec = Recorder()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=2)
-    fit_batches(model, 4, rec)
+    rec = fit_batches(model, 4)
     # Called back after steps 2 and 4: 5w at w = 1.5 and at w = 0.375.
     assert rec.seen == [7.5, 1.875]
 

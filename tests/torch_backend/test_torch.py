@@ -23,23 +23,13 @@ from conftest import X
 from conftest import Y
 from conftest import dense_0
 from conftest import fit_batches
+from conftest import fit_once
 from conftest import kernel
 from conftest import one_weight
 
 import keras_keepgrad as kg
 
 assert keras.backend.backend() == "torch", "run this directory with KERAS_BACKEND=torch"
-
-
-def fit_once(model, optimizer=None, batches=1, **compile_kwargs):
-    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1), loss="mse", **compile_kwargs)
-    return model.fit(
-        np.tile(X, (batches, 1)),
-        np.tile(Y, (batches, 1)),
-        batch_size=2,
-        shuffle=False,
-        verbose=0,
-    )
 
 
 def user_warnings(fn, *args, **kwargs):
