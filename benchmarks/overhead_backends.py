@@ -29,13 +29,16 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _path in (ROOT, HERE):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from overhead_models import conv as _conv  # noqa: E402
+from overhead_models import mlp as _mlp  # noqa: E402
 
 import keras_keepgrad as kg  # noqa: E402
 
@@ -64,31 +67,6 @@ def _floor_model(inputs, outputs):
 
 
 BACKENDS = ("jax", "torch")
-
-
-def _mlp(width_in, hidden, classes):
-    def build():
-        inputs = keras.Input((width_in,))
-        h = inputs
-        for i, units in enumerate(hidden):
-            h = keras.layers.Dense(units, activation="relu", name=f"dense_{i}")(h)
-        return inputs, keras.layers.Dense(classes, name="logits")(h)
-
-    return build
-
-
-def _conv(size, filters, dense):
-    def build():
-        inputs = keras.Input((size, size, 3))
-        h = inputs
-        for i, f in enumerate(filters):
-            h = keras.layers.Conv2D(f, 3, activation="relu", name=f"conv_{i}")(h)
-            h = keras.layers.MaxPooling2D(name=f"pool_{i}")(h)
-        h = keras.layers.Flatten()(h)
-        h = keras.layers.Dense(dense, activation="relu", name="dense")(h)
-        return inputs, keras.layers.Dense(10, name="logits")(h)
-
-    return build
 
 
 def model_specs(smoke):
