@@ -6,6 +6,7 @@ round (rounds are paired); its overhead is the median over rounds of
 """
 
 import json
+import math
 
 import numpy as np
 
@@ -17,6 +18,33 @@ RECOMPUTE_FACTOR = 10.0
 def _summary(values):
     q25, median, q75 = np.percentile(np.asarray(values, dtype="float64"), [25, 50, 75])
     return {"median": float(median), "q25": float(q25), "q75": float(q75)}
+
+
+def median_interval(values, level=0.90):
+    """A distribution-free interval for the median of `values`.
+
+    From the order statistics: with n values sorted, `[x_(j), x_(n+1-j)]`
+    holds the median with probability `1 - 2 P(X < j)`, X binomial(n, 1/2),
+    whatever the values' distribution, if the values are independent draws
+    of one distribution. `j` is the largest whose coverage is at least
+    `level`; with too few values for that (under 5 at 90%), the interval is
+    `[min, max]` and its coverage less than `level`.
+
+    Returns:
+        `{"low", "high", "coverage"}`, floats.
+    """
+    x = np.sort(np.asarray(values, dtype="float64"))
+    n = len(x)
+    if n == 0:
+        raise ValueError("`values` must not be empty. Received: []")
+    j = 1
+    below = 1.0 / 2.0**n  # P(X < j)
+    while j + 1 <= n - j:
+        wider = below + math.comb(n, j) / 2.0**n
+        if 1.0 - 2.0 * wider < level:
+            break
+        j, below = j + 1, wider
+    return {"low": float(x[j - 1]), "high": float(x[n - j]), "coverage": 1.0 - 2.0 * below}
 
 
 def summarize(times):

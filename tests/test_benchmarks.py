@@ -204,6 +204,33 @@ def test_bootstrap_interval_spans_the_spread_between_model_objects():
     assert stats.intervals(samples, target=0.25)["ci90"]["kept"] == [0.25, 0.25]
 
 
+def test_median_interval_takes_the_order_statistics_of_its_coverage():
+    stats = _stats_module()
+    # n = 10: [x_(j), x_(11-j)] covers the median with probability
+    # 1 - 2 P(X < j), X ~ binomial(10, 1/2): j = 2 gives 1 - 2 * 11/1024
+    # (0.979), j = 3 gives 1 - 2 * 56/1024 (0.891 < 0.90).
+    values = [7.0, 3.0, 10.0, 1.0, 5.0, 9.0, 2.0, 8.0, 4.0, 6.0]
+    assert stats.median_interval(values) == {
+        "low": 2.0,
+        "high": 9.0,
+        "coverage": 1.0 - 2.0 * 11 / 1024,
+    }
+    # At 0.89 the third order statistics do.
+    assert stats.median_interval(values, level=0.89) == {
+        "low": 3.0,
+        "high": 8.0,
+        "coverage": 1.0 - 2.0 * 56 / 1024,
+    }
+    # Too few values for 90%: all of them, at the coverage they have.
+    assert stats.median_interval([2.0, 1.0, 3.0, 4.0]) == {
+        "low": 1.0,
+        "high": 4.0,
+        "coverage": 1.0 - 2.0 / 16,
+    }
+    with pytest.raises(ValueError, match="`values` must not be empty"):
+        stats.median_interval([])
+
+
 def test_bootstrap_over_processes_draws_whole_processes_before_rounds():
     stats = _stats_module()
 

@@ -573,3 +573,13 @@ def test_overhead_benchmark_smoke_writes_every_variant(tmp_path):
     for variant in result["variants"].values():
         assert variant["step_ms"] > 0 and math.isfinite(variant["beyond_control"]["median"])
     assert result["variants"]["reference"]["ratio"]["median"] == 1.0
+    # Each statistic beside its floor, paired per round: with 2 rounds the
+    # interval of the median is both rounds, at coverage 1 - 2 / 4.
+    for variant in ("noise_scale", "snr", "cosine", "cosine_per_layer"):
+        beyond = result["variants"][variant]["beyond_floor"]
+        ci = beyond["ci90"]
+        assert ci["coverage"] == 0.5
+        assert ci["low"] <= beyond["median"] <= ci["high"]
+        assert beyond["median"] == pytest.approx((ci["low"] + ci["high"]) / 2)
+    assert "beyond_floor" not in result["variants"]["grad_norm"]
+    assert "interval of that median" in process.stdout
