@@ -54,7 +54,6 @@ The results are in `benchmarks/README.md`.
 """
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -71,10 +70,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import keras_keepgrad as kg  # noqa: E402
 from keras_keepgrad import metrics as kgm  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import metric_timing  # noqa: E402
 from overhead_stats import _summary  # noqa: E402
 from overhead_stats import median_interval  # noqa: E402
 
@@ -97,6 +96,20 @@ FLOORS = {
     "cosine": "floor_dot",
     "cosine_per_layer": "floor_dot",
 }
+# With replicas in the process the noise scale and the SNR use no window:
+# their least work is the replicas' own squared norms and one all-reduce.
+MIRRORED_FLOORS = dict(FLOORS, noise_scale="floor_replicas", snr="floor_replicas")
+
+
+def variants_for(replicas):
+    """The variants timed with this many replicas in the process."""
+    return VARIANTS + ("floor_replicas",) if replicas > 1 else VARIANTS
+
+
+def floors_for(replicas):
+    return MIRRORED_FLOORS if replicas > 1 else FLOORS
+
+
 MODES = {
     "full": dict(rounds=150, round_seconds=0.15, sizes=(512, 1024, 512, 10), batch=128),
     "quick": dict(rounds=10, round_seconds=0.1, sizes=(512, 1024, 512, 10), batch=128),
@@ -113,6 +126,7 @@ class _Floor(kgm.GradientMetric):
         self._buffers = None
 
     def _step_values(self, grads):
+        from keras_keepgrad import _capture
         from keras_keepgrad import _dynamics
         from keras_keepgrad import _stats
 
@@ -122,6 +136,13 @@ class _Floor(kgm.GradientMetric):
                 lambda: {p: _dynamics._local_variable(tf.zeros(g.shape)) for p, g in dense.items()}
             )
         value = tf.cast(tf.reduce_sum(_stats.shared_squares(grads)), tf.float32)
+        if self.kind == "floor_replicas":
+            # Each replica's partial gradient's squared norm, summed over
+            # the replicas in one all-reduce of a scalar.
+            partial = _capture.current_step().grads
+            local = tf.add_n([tf.nn.l2_loss(tf.cast(g, tf.float32)) for g in partial.values()])
+            context = tf.distribute.get_replica_context()
+            return {self.name: value + context.all_reduce(tf.distribute.ReduceOp.SUM, local)}
         if self.kind == "floor_window":
             for p, g in dense.items():
                 self._buffers[p].assign_add(g, read_value=False)
@@ -147,137 +168,162 @@ def gradient_metrics(variant):
     }[variant]
 
 
-def build_mlp(sizes):
-    inputs = keras.Input((sizes[0],))
-    h = inputs
-    for i, units in enumerate(sizes[1:-1]):
-        h = keras.layers.Dense(units, activation="relu", name=f"dense_{i}")(h)
-    return kg.KeepGradModel(inputs, keras.layers.Dense(sizes[-1], name="logits")(h))
-
-
-def make_variant(variant, sizes, batch, weights, jit_compile, strategy):
-    with strategy.scope():
-        model = build_mlp(sizes)
-        model.set_weights(weights)
-        model.compile(
-            optimizer=keras.optimizers.Adam(1e-4),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=gradient_metrics(variant),
-            jit_compile=jit_compile,
-        )
-    dataset = tf.data.Dataset.from_tensors(batch).repeat()
-    model.fit(dataset, steps_per_epoch=2, epochs=1, verbose=0, shuffle=False)
-    # The iterator type `fit` uses, so `train_function` is not retraced.
-    iterator = iter(model.distribute_strategy.experimental_distribute_dataset(dataset))
-    return model, iterator
-
-
-def run_steps(model, iterator, steps, clock=time.perf_counter):
-    """Seconds of `clock` for `steps` training steps."""
-    train_function = model.train_function
-    start = clock()
-    for _ in range(steps):
-        logs = train_function(iterator)
-    float(logs["loss"])  # the step's outputs exist: it has finished
-    return clock() - start
-
-
 def measure(mode, jit_compile, clock=time.perf_counter, log=print, strategy=None):
     strategy = strategy or tf.distribute.get_strategy()
-    sizes = mode["sizes"]
-    rng = np.random.default_rng(0)
-    batch = (
-        tf.constant(rng.random((mode["batch"], sizes[0]), "float32")),
-        tf.constant(rng.integers(0, sizes[-1], (mode["batch"],)).astype("int32")),
+    replicas = strategy.num_replicas_in_sync
+    floors = floors_for(replicas)
+    params, steps, times = metric_timing.timed_rounds(
+        gradient_metrics,
+        variants_for(replicas),
+        mode["sizes"],
+        mode["batch"],
+        mode["rounds"],
+        mode["round_seconds"],
+        jit_compile,
+        clock=clock,
+        log=log,
+        strategy=strategy,
     )
-    keras.utils.set_random_seed(0)
-    weights = build_mlp(sizes).get_weights()
-    entries = {v: make_variant(v, sizes, batch, weights, jit_compile, strategy) for v in VARIANTS}
-    for entry in entries.values():
-        run_steps(*entry, 3)  # warm-up, outside the timing
-    params = int(sum(np.prod(v.shape) for v in entries["reference"][0].trainable_variables))
-    one = min(run_steps(*entries["reference"], 3) / 3 for _ in range(2))
-    steps = max(1, int(round(mode["round_seconds"] / one)))
-    log(
-        f"{params:,} parameters, jit_compile={jit_compile}, "
-        f"{strategy.num_replicas_in_sync} replica(s): {one * 1e3:.2f} ms/step "
-        f"(reference), {steps} steps/round, {mode['rounds']} rounds"
-    )
-    times = {v: [] for v in VARIANTS}
-    for r in range(mode["rounds"]):
-        rotated = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
-        gc.collect()
-        gc.disable()
-        try:
-            for variant in rotated:
-                times[variant].append(run_steps(*entries[variant], steps, clock) / steps)
-        finally:
-            gc.enable()
+    results = metric_timing.ratios(times)
     reference = np.asarray(times["reference"])
-    control = np.asarray(times["control"]) / reference
-    results = {}
-    for variant in VARIANTS:
-        ratio = np.asarray(times[variant]) / reference
-        results[variant] = {
-            "step_ms": float(np.median(times[variant]) * 1e3),
-            "ratio": _summary(ratio),
-            "beyond_control": _summary(ratio - control),
-        }
     for variant in STATISTICS:
-        if variant in times and FLOORS[variant] in times:
-            # Paired in each round, as the ratios are.
-            beyond = (np.asarray(times[variant]) - np.asarray(times[FLOORS[variant]])) / reference
-            results[variant]["beyond_floor"] = dict(
-                _summary(beyond), ci90=median_interval(beyond, 0.90)
-            )
+        floor = floors[variant]
+        # Paired in each round, as the ratios are.
+        beyond = (np.asarray(times[variant]) - np.asarray(times[floor])) / reference
+        results[variant]["beyond_floor"] = dict(
+            _summary(beyond), floor=floor, ci90=median_interval(beyond, 0.90)
+        )
     return {
         "params": params,
         "jit_compile": jit_compile,
-        "replicas": strategy.num_replicas_in_sync,
+        "replicas": replicas,
         "steps_per_round": steps,
         "rounds": mode["rounds"],
         "variants": results,
     }
 
 
-def table(result):
-    lines = [
-        "| variant | step ms | ratio vs reference (median) | IQR | beyond control |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for variant, r in result["variants"].items():
-        ratio = r["ratio"]
-        lines.append(
-            f"| {variant} | {r['step_ms']:.2f} | {ratio['median']:.4f} | "
-            f"{ratio['q25']:.4f}-{ratio['q75']:.4f} | "
-            f"{r['beyond_control']['median']:+.4f} |"
-        )
-    return "\n".join(lines)
+def _against_floor(interval):
+    """Where an interval of a median beyond the floor puts a statistic."""
+    if interval["low"] > 0:
+        return "above its floor"
+    if interval["high"] < 0:
+        return "below its floor"
+    return "at its floor (within noise)"
+
+
+def _against_budget(interval):
+    """As `overhead_stats.intervals`: met when the whole interval is within."""
+    if interval["high"] <= TARGET:
+        return "met"
+    return "missed" if interval["low"] > TARGET else "undecided"
 
 
 def verdict(result, variant):
     """One line: `variant`'s cost against the budget and against its floor."""
     entry = result["variants"][variant]
     cost = entry["beyond_control"]["median"]
-    floor = FLOORS[variant]
     beyond = entry["beyond_floor"]
+    floor = beyond["floor"]
     ci = beyond["ci90"]
-    # Within noise of the floor where the interval of the median holds 0.
-    where = (
-        "above its floor"
-        if ci["low"] > 0
-        else "below its floor"
-        if ci["high"] < 0
-        else "at its floor (within noise)"
-    )
     return (
         f"{variant}: {cost:+.2%} step time beyond control, "
         f"{'within' if cost <= TARGET else 'OVER'} the {TARGET:.0%} budget; "
         f"{beyond['median']:+.2%} beyond {floor} "
         f"({result['variants'][floor]['beyond_control']['median']:+.2%}), "
         f"interval of that median [{ci['low']:+.2%}, {ci['high']:+.2%}] "
-        f"(coverage {ci['coverage']:.0%}): {where}."
+        f"(coverage {ci['coverage']:.0%}): {_against_floor(ci)}."
     )
+
+
+def _over_processes(values):
+    return {
+        "per_process": [float(v) for v in values],
+        "median": float(np.median(values)),
+        "interval": median_interval(values, 0.90),
+    }
+
+
+def pool(results):
+    """Every variant and statistic over several processes' `--out` results.
+
+    A variant's cost differs between processes by more than the rounds of
+    one process vary (each process makes its own models and buffers), so
+    the samples here are the processes' medians: their median, and the
+    distribution-free interval of it (`median_interval`; with 5 processes
+    their range, at coverage 1 - 2 / 32).
+
+    Returns:
+        `{"processes", "beyond_control": {variant: ...}, "statistics":
+        {statistic: ...}}`, each statistic with its floor, its cost beyond
+        the floor and the verdicts on the budget and against the floor.
+
+    Raises:
+        ValueError: `results` is empty, or its runs differ in mode,
+            replicas, clock, threads, variants or the floor of a statistic.
+    """
+    if not results:
+        raise ValueError("`results` must hold at least one run. Received: []")
+    for key in ("mode", "replicas", "clock", "threads"):
+        seen = sorted({str(r.get(key)) for r in results})
+        if len(seen) > 1:
+            raise ValueError(
+                f"The runs to pool must share their `{key}`. Received: {', '.join(seen)}"
+            )
+    variants = list(results[0]["variants"])
+    for r in results:
+        if list(r["variants"]) != variants:
+            raise ValueError(
+                "The runs to pool must time the same variants. Received: "
+                f"{variants} and {list(r['variants'])}"
+            )
+    costs = {
+        v: _over_processes([r["variants"][v]["beyond_control"]["median"] for r in results])
+        for v in variants
+    }
+    statistics = {}
+    for variant in STATISTICS:
+        entries = [r["variants"][variant] for r in results]
+        floors = sorted({e["beyond_floor"]["floor"] for e in entries})
+        if len(floors) > 1:
+            raise ValueError(
+                f"The runs to pool time {variant} against different floors: {', '.join(floors)}"
+            )
+        beyond = _over_processes([e["beyond_floor"]["median"] for e in entries])
+        statistics[variant] = {
+            "floor": floors[0],
+            "beyond_floor": beyond,
+            "budget": _against_budget(costs[variant]["interval"]),
+            "against_floor": _against_floor(beyond["interval"]),
+        }
+    return {"processes": len(results), "beyond_control": costs, "statistics": statistics}
+
+
+def pool_table(pooled):
+    def cell(entry):
+        ci = entry["interval"]
+        return f"{entry['median']:+.1%} [{ci['low']:+.1%}, {ci['high']:+.1%}]"
+
+    costs = pooled["beyond_control"]
+    lines = ["| variant | beyond keeping |", "|---|---:|"]
+    lines += [f"| {v} | {cell(c)} |" for v, c in costs.items()]
+    lines += [
+        "",
+        "| statistic | its floor | statistic beyond floor | 3% budget | against the floor |",
+        "|---|---|---:|---|---|",
+    ]
+    for variant, p in pooled["statistics"].items():
+        lines.append(
+            f"| {variant} | {p['floor']} | {cell(p['beyond_floor'])} | "
+            f"{p['budget']} | {p['against_floor']} |"
+        )
+    coverage = next(iter(costs.values()))["interval"]["coverage"]
+    lines += [
+        "",
+        f"Medians over {pooled['processes']} processes, with the interval of "
+        f"each median (coverage {coverage:.1%}).",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -304,7 +350,24 @@ def main(argv=None):
         help="TensorFlow intra- and inter-op threads (0: TensorFlow's default)",
     )
     parser.add_argument("--out", help="also write the results as JSON here")
+    parser.add_argument(
+        "--pool",
+        nargs="+",
+        metavar="JSON",
+        help="time nothing: pool the --out files of several runs (one per process)",
+    )
     args = parser.parse_args(argv)
+    if args.pool:
+        results = []
+        for path in args.pool:
+            with open(path) as f:
+                results.append(json.load(f))
+        pooled = pool(results)
+        print(pool_table(pooled))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(pooled, f, indent=2)
+        return
     strategy = None
     if args.mirrored:
         # Before TensorFlow runs any op, which fixes its devices.
@@ -332,7 +395,7 @@ def main(argv=None):
         },
         cpus=os.cpu_count(),
     )
-    print(table(result))
+    print(metric_timing.table(result))
     print()
     for variant in STATISTICS:
         print(verdict(result, variant))

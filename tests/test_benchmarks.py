@@ -398,3 +398,30 @@ def test_per_batch_overhead_smoke_reports_paired_ratios(tmp_path):
             # Every ratio is against the same round's `keras` time.
             assert r[key]["keras"] == {"median": 1.0, "q25": 1.0, "q75": 1.0}
             assert r[key]["all"]["median"] > 0
+
+
+def test_metric_overhead_smoke_times_every_variant_against_the_reference(tmp_path):
+    out = tmp_path / "metric.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "metric_overhead.py"),
+            "--smoke",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "GradientNorm: " in proc.stdout and "the 2% budget." in proc.stdout
+    result = json.loads(out.read_text())
+    # Smoke sizes: 16*32+32 + 32*16+16 + 16*10+10 = 1242 parameters.
+    assert result["params"] == 1242 and result["rounds"] == 2 and result["mode"] == "smoke"
+    assert list(result["variants"]) == ["reference", "control", "grad_norm", "per_layer", "all"]
+    reference = result["variants"]["reference"]
+    assert reference["ratio"] == {"median": 1.0, "q25": 1.0, "q75": 1.0}
+    assert all(v["step_ms"] > 0 for v in result["variants"].values())

@@ -538,14 +538,13 @@ def test_mirrored_noise_scale_matches_the_closed_form(mirrored):
 # --- the benchmark runs ------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_overhead_benchmark_smoke_writes_every_variant(tmp_path):
+def _dynamics_benchmark(tmp_path, *flags):
     out = tmp_path / "smoke.json"
     process = subprocess.run(
         [
             sys.executable,
             os.path.join(REPO, "benchmarks", "dynamics_overhead.py"),
-            "--smoke",
+            *flags,
             "--out",
             str(out),
         ],
@@ -556,30 +555,155 @@ def test_overhead_benchmark_smoke_writes_every_variant(tmp_path):
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
     )
     assert process.returncode == 0, process.stderr[-4000:]
-    result = json.loads(out.read_text())
+    return process, json.loads(out.read_text())
+
+
+_TIMED = [
+    "reference",
+    "control",
+    "grad_norm",
+    "noise_scale",
+    "snr",
+    "cosine",
+    "cosine_per_layer",
+    "floor_window",
+    "floor_dot",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mirrored, floors",
+    [
+        (False, ["floor_window", "floor_window", "floor_dot", "floor_dot"]),
+        (True, ["floor_replicas", "floor_replicas", "floor_dot", "floor_dot"]),
+    ],
+)
+def test_overhead_benchmark_smoke_writes_every_variant(tmp_path, mirrored, floors):
+    process, result = _dynamics_benchmark(
+        tmp_path, "--smoke", *(["--mirrored"] if mirrored else [])
+    )
     # Smoke sizes: 16*32+32 + 32*16+16 + 16*10+10 = 1242 parameters.
-    assert result["params"] == 1242 and result["rounds"] == 2 and result["replicas"] == 1
-    assert list(result["variants"]) == [
-        "reference",
-        "control",
-        "grad_norm",
-        "noise_scale",
-        "snr",
-        "cosine",
-        "cosine_per_layer",
-        "floor_window",
-        "floor_dot",
-    ]
+    assert result["params"] == 1242 and result["rounds"] == 2
+    assert result["replicas"] == (2 if mirrored else 1)
+    # With replicas the noise scale and the SNR use no window: their floor
+    # is the replicas' own squared norms, all-reduced.
+    assert list(result["variants"]) == _TIMED + (["floor_replicas"] if mirrored else [])
     for variant in result["variants"].values():
         assert variant["step_ms"] > 0 and math.isfinite(variant["beyond_control"]["median"])
     assert result["variants"]["reference"]["ratio"]["median"] == 1.0
     # Each statistic beside its floor, paired per round: with 2 rounds the
     # interval of the median is both rounds, at coverage 1 - 2 / 4.
-    for variant in ("noise_scale", "snr", "cosine", "cosine_per_layer"):
+    for variant, floor in zip(("noise_scale", "snr", "cosine", "cosine_per_layer"), floors):
         beyond = result["variants"][variant]["beyond_floor"]
         ci = beyond["ci90"]
+        assert beyond["floor"] == floor
         assert ci["coverage"] == 0.5
         assert ci["low"] <= beyond["median"] <= ci["high"]
         assert beyond["median"] == pytest.approx((ci["low"] + ci["high"]) / 2)
     assert "beyond_floor" not in result["variants"]["grad_norm"]
     assert "interval of that median" in process.stdout
+
+
+def _run_result(replicas, beyond_control, beyond_floor):
+    """A `dynamics_overhead.py --out` result holding only what pooling reads."""
+    floors = {"floor_window": 0.05, "floor_dot": 0.06}
+    variants = {
+        v: {"beyond_control": {"median": c}} for v, c in {**beyond_control, **floors}.items()
+    }
+    floor_of = {
+        "noise_scale": "floor_window",
+        "snr": "floor_window",
+        "cosine": "floor_dot",
+        "cosine_per_layer": "floor_dot",
+    }
+    for variant, median in beyond_floor.items():
+        variants[variant]["beyond_floor"] = {"median": median, "floor": floor_of[variant]}
+    return {
+        "mode": "full",
+        "replicas": replicas,
+        "clock": "cpu",
+        "threads": 1,
+        "variants": variants,
+    }
+
+
+def _dynamics_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "dynamics_overhead", os.path.join(REPO, "benchmarks", "dynamics_overhead.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pooling_judges_each_statistic_by_the_processes_medians(tmp_path):
+    bench = _dynamics_module()
+    # Per statistic, the five processes' medians beyond keeping and beyond
+    # the floor. With 5 processes the interval of the median is their range
+    # (order statistics 1 and 5), at coverage 1 - 2 / 32.
+    control = {
+        "noise_scale": [0.06, 0.05, 0.08, 0.07, 0.09],
+        "snr": [0.01, 0.02, 0.02, 0.04, 0.00],
+        "cosine": [0.01, 0.02, 0.00, 0.03, 0.025],
+        "cosine_per_layer": [0.04, 0.05, 0.06, 0.07, 0.08],
+    }
+    floor = {
+        "noise_scale": [0.01, -0.02, 0.03, 0.00, 0.02],
+        "snr": [0.02, 0.03, 0.04, 0.05, 0.01],
+        "cosine": [-0.03, -0.01, -0.02, -0.04, -0.05],
+        "cosine_per_layer": [0.0, 0.01, 0.02, 0.03, 0.04],
+    }
+    runs = [
+        _run_result(1, {k: v[i] for k, v in control.items()}, {k: v[i] for k, v in floor.items()})
+        for i in range(5)
+    ]
+    pooled = bench.pool(runs)
+    assert pooled["processes"] == 5
+    costs = pooled["beyond_control"]
+    assert costs["noise_scale"]["median"] == 0.07
+    assert costs["noise_scale"]["interval"] == {
+        "low": 0.05,
+        "high": 0.09,
+        "coverage": 1.0 - 2.0 / 32,
+    }
+    assert costs["floor_window"]["median"] == 0.05
+    noise = pooled["statistics"]["noise_scale"]
+    assert noise["floor"] == "floor_window"
+    assert noise["beyond_floor"]["median"] == 0.01
+    assert noise["beyond_floor"]["interval"] == {
+        "low": -0.02,
+        "high": 0.03,
+        "coverage": 1.0 - 2.0 / 32,
+    }
+    statistics = pooled["statistics"].values()
+    # Budget 3%: missed (all above), undecided (straddles), met (all within).
+    assert [p["budget"] for p in statistics] == ["missed", "undecided", "met", "missed"]
+    assert [p["against_floor"] for p in statistics] == [
+        "at its floor (within noise)",
+        "above its floor",
+        "below its floor",
+        "at its floor (within noise)",
+    ]
+    table = bench.pool_table(pooled)
+    assert "| noise_scale | +7.0% [+5.0%, +9.0%] |" in table
+    assert "| noise_scale | floor_window | +1.0% [-2.0%, +3.0%] | missed |" in table
+
+    # The command line reads the runs' files.
+    paths = []
+    for i, run in enumerate(runs):
+        paths.append(str(tmp_path / f"p{i}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(run, f)
+    bench.main(["--pool", *paths, "--out", str(tmp_path / "pooled.json")])
+    assert json.loads((tmp_path / "pooled.json").read_text()) == pooled
+
+    with pytest.raises(ValueError, match="must share their `replicas`. Received: 1, 2"):
+        bench.pool([runs[0], dict(runs[1], replicas=2)])
+    with pytest.raises(ValueError, match="must hold at least one run"):
+        bench.pool([])
+    fewer = dict(runs[1], variants={k: v for k, v in runs[1]["variants"].items() if k != "snr"})
+    with pytest.raises(ValueError, match="must time the same variants"):
+        bench.pool([runs[0], fewer])
