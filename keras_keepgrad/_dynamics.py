@@ -167,6 +167,28 @@ class _DynamicsMetric(GradientMetric):
         )
         self._holder = _Holder()
 
+    def _parameter_state(self, paths, shapes, counters):
+        """The metric's buffers, made for these variable paths and shapes.
+
+        `{"buffers": {path: float32 variable of its shape}, "counters":
+        float32 variable [groups + counters]}`, remade when the paths or
+        shapes change; one copy per replica (`_local_variable`).
+        """
+        state = self._holder.variables
+        made_for = dict(zip(tuple(paths), (tuple(s) for s in shapes)))
+        if state.get("paths") != made_for:
+            size = len(self._groups(list(made_for))) + counters
+
+            def make():
+                return {
+                    "buffers": {p: _local_variable(tf.zeros(s)) for p, s in made_for.items()},
+                    "counters": _local_variable(tf.zeros((size,))),
+                }
+
+            state.update(_create(make))
+            state["paths"] = made_for
+        return state
+
     def _measure(self, grads):
         values, counted = self._counted_values(grads)
         return {k: tf.where(counted, v, 0.0) for k, v in values.items()}, counted
@@ -233,24 +255,10 @@ class _SmallBatches(_DynamicsMetric):
             self._window_state([v.path for v in variables], [v.shape for v in variables])
 
     def _window_state(self, paths, shapes):
-        """The accumulation window's variables, made for these paths."""
-        state = self._holder.variables
-        paths = tuple(paths)
-        shapes = tuple(tuple(s) for s in shapes)
-        if state.get("paths") != dict(zip(paths, shapes)):
-            n_groups = len(self._groups(paths))
-
-            def make():
-                return {
-                    "sum": {p: _local_variable(tf.zeros(s)) for p, s in zip(paths, shapes)},
-                    # Over the window so far: per group the sum of |g_i|^2,
-                    # then the sum of 1 / b_i, then the number of steps.
-                    "totals": _local_variable(tf.zeros((n_groups + 2,))),
-                }
-
-            state.update(_create(make))
-            state["paths"] = dict(zip(paths, shapes))
-        return state
+        """The accumulation window: the sum of its gradients per variable,
+        and over the window so far, per group the sum of |g_i|^2, then the
+        sum of 1 / b_i, then the number of steps."""
+        return self._parameter_state(paths, shapes, counters=2)
 
     # One step -----------------------------------------------------------
 
@@ -291,10 +299,10 @@ class _SmallBatches(_DynamicsMetric):
         this_step = tf.concat(
             [_group_squares(grads, groups), tf.stack([1.0 / tf.maximum(batch, 1.0), 1.0])], 0
         )
-        before = state["totals"].read_value()
+        before = state["counters"].read_value()
         totals = before + this_step
         ready = tf.equal(totals[-1], k)
-        sums = state["sum"]
+        sums = state["buffers"]
 
         def start():
             # A window's first gradient is assigned: the buffer shares its
@@ -320,7 +328,7 @@ class _SmallBatches(_DynamicsMetric):
             return tf.stack(big) / (k * k)
 
         big = tf.cond(ready, complete, lambda: tf.zeros((n_groups,)))
-        state["totals"].assign(totals * (1.0 - tf.cast(ready, tf.float32)), read_value=False)
+        state["counters"].assign(totals * (1.0 - tf.cast(ready, tf.float32)), read_value=False)
         return totals[:n_groups] / k, big, totals[n_groups] / k, tf.constant(k), ready
 
     _needs_batch_size = True
@@ -617,41 +625,27 @@ class GradientCosine(_PerLayerMixin, _DynamicsMetric):
         return {self.name: list(paths)}
 
     def _previous(self, paths, shapes):
-        state = self._holder.variables
-        paths = tuple(paths)
-        shapes = tuple(tuple(s) for s in shapes)
-        if state.get("paths") != dict(zip(paths, shapes)):
-            n_groups = len(self._groups(paths))
-
-            def make():
-                return {
-                    "gradient": {p: _local_variable(tf.zeros(s)) for p, s in zip(paths, shapes)},
-                    # The previous gradient's squared norm per group, then
-                    # 1 if there is a previous gradient.
-                    "squares": _local_variable(tf.zeros((n_groups + 1,))),
-                }
-
-            state.update(_create(make))
-            state["paths"] = dict(zip(paths, shapes))
-        return state
+        """The previous step's gradient per variable, and its squared norm
+        per group, then 1 if there is a previous gradient."""
+        return self._parameter_state(paths, shapes, counters=1)
 
     def _counted_values(self, grads):
         paths = list(grads)
         dense = {p: _float32(grads[p]) for p in paths}
         state = self._previous(paths, [dense[p].shape for p in paths])
         groups = self._groups(paths)
-        held = {p: tf.convert_to_tensor(state["gradient"][p]) for p in paths}
+        held = {p: tf.convert_to_tensor(state["buffers"][p]) for p in paths}
         dots = tf.stack(
             [tf.add_n([tf.reduce_sum(dense[p] * held[p]) for p in ps]) for ps in groups.values()]
         )
         squares = tf.concat([_group_squares(grads, groups), tf.ones((1,))], 0)
-        previous = state["squares"].read_value()
+        previous = state["counters"].read_value()
         cosine = dots / tf.sqrt(squares[:-1] * previous[:-1])
         primed = previous[-1] > 0.0
         # Without XLA the assignment shares the gradient's buffer, as slots do.
         for p in paths:
-            state["gradient"][p].assign(dense[p], read_value=False)
-        state["squares"].assign(squares, read_value=False)
+            state["buffers"][p].assign(dense[p], read_value=False)
+        state["counters"].assign(squares, read_value=False)
         return {key: cosine[i] for i, key in enumerate(groups)}, primed
 
     def get_config(self):
