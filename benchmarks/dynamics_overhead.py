@@ -8,13 +8,18 @@ batch 128, Adam, sparse categorical cross-entropy), on one device, where
 `GradientNoiseScale` and `GradientSNR` accumulate the last k = 4 steps'
 gradients in one parameter-sized float32 buffer.
 
-Paired, interleaved rounds in one process, as in `metric_overhead.py`:
-every round times the same number of training steps of each variant, in an
-order rotated by one each round; each variant's time is divided by that
-round's reference time. The table reports the median of these ratios,
-their interquartile range, and the overhead beyond control: the median
-over rounds of `ratio(variant) - ratio(control)`, where `control` is a
-second reference model.
+Paired, interleaved rounds in one process (`metric_timing.py`, shared with
+`metric_overhead.py`): every round times the same number of training steps
+of each variant, in an order rotated by one each round; each variant's time
+is divided by that round's reference time. The table reports the median of
+these ratios, their interquartile range, and the overhead beyond control:
+the median over rounds of `ratio(variant) - ratio(control)`, where
+`control` is a second reference model. Each statistic is also timed
+beside its floor: the median over rounds of `(time(statistic) -
+time(floor)) / time(reference)`, with a distribution-free 90% interval of
+that median. A variant's cost moves between processes by more than that
+interval, so `--pool` combines the `--out` files of several processes,
+judging by the processes' medians.
 
 Variants (same initial weights, same batch):
 
@@ -35,6 +40,9 @@ Variants (same initial weights, same batch):
   without XLA; `tf.tensordot`, `tf.linalg.matvec`, `tf.einsum` and an
   XLA-compiled function are slower on CPU), and the copy itself (an
   assignment, which shares the gradient's buffer). The floor of `cosine`.
+- `floor_replicas`, with `--mirrored` only: the sums of squares of the
+  global gradient and of each replica's partial gradient, and one
+  all-reduce of a scalar. The floor of `noise_scale` and `snr` there.
 
 Usage:
 
@@ -44,6 +52,7 @@ python benchmarks/dynamics_overhead.py --quick   # 10 rounds
 python benchmarks/dynamics_overhead.py --smoke   # 2 rounds of a tiny model, for tests
 python benchmarks/dynamics_overhead.py --threads 1 --cpu-time  # steadiest
 python benchmarks/dynamics_overhead.py --mirrored  # 2 replicas on 2 logical CPUs
+python benchmarks/dynamics_overhead.py --pool run1.json run2.json ...  # time nothing
 ```
 
 With `--mirrored` the batch of 128 is split over 2 replicas, which are the
@@ -74,8 +83,8 @@ from keras_keepgrad import metrics as kgm  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import metric_timing  # noqa: E402
-from overhead_stats import _summary  # noqa: E402
 from overhead_stats import median_interval  # noqa: E402
+from overhead_stats import quartiles  # noqa: E402
 
 TARGET = 0.03  # each statistic: at most 3% of a step beyond keeping
 VARIANTS = (
@@ -191,7 +200,7 @@ def measure(mode, jit_compile, clock=time.perf_counter, log=print, strategy=None
         # Paired in each round, as the ratios are.
         beyond = (np.asarray(times[variant]) - np.asarray(times[floor])) / reference
         results[variant]["beyond_floor"] = dict(
-            _summary(beyond), floor=floor, ci90=median_interval(beyond, 0.90)
+            quartiles(beyond), floor=floor, ci90=median_interval(beyond, 0.90)
         )
     return {
         "params": params,

@@ -16,7 +16,7 @@ import time
 import keras
 import numpy as np
 import tensorflow as tf
-from overhead_stats import _summary
+from overhead_stats import quartiles
 
 import keras_keepgrad as kg
 
@@ -124,8 +124,8 @@ def ratios(times):
         ratio = np.asarray(seconds) / reference
         results[variant] = {
             "step_ms": float(np.median(seconds) * 1e3),
-            "ratio": _summary(ratio),
-            "beyond_control": _summary(ratio - control),
+            "ratio": quartiles(ratio),
+            "beyond_control": quartiles(ratio - control),
         }
     return results
 

@@ -15,7 +15,7 @@ import numpy as np
 RECOMPUTE_FACTOR = 10.0
 
 
-def _summary(values):
+def quartiles(values):
     q25, median, q75 = np.percentile(np.asarray(values, dtype="float64"), [25, 50, 75])
     return {"median": float(median), "q25": float(q25), "q75": float(q75)}
 
@@ -54,10 +54,10 @@ def summarize(times):
     out = {"ratio": {}, "beyond_control": {}}
     for variant, seconds in times.items():
         ratio = np.asarray(seconds) / plain
-        out["ratio"][variant] = _summary(ratio)
-        out["beyond_control"][variant] = _summary(ratio - control)
+        out["ratio"][variant] = quartiles(ratio)
+        out["beyond_control"][variant] = quartiles(ratio - control)
     if "kept" in times and "floor" in times:
-        out["kept_beyond_floor"] = _summary(
+        out["kept_beyond_floor"] = quartiles(
             (np.asarray(times["kept"]) - np.asarray(times["floor"])) / plain
         )
     return out

@@ -53,6 +53,9 @@ import tensorflow as tf  # noqa: E402
 
 import keras_keepgrad as kg  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overhead_stats import quartiles  # noqa: E402
+
 VARIANTS = ("keras", "kept", "all")
 TARGETS = {"tiny": 1.30, "mlp_1m": 1.10}
 MODELS = {
@@ -195,9 +198,7 @@ def run(name, spec, rounds, steps, epochs, root):
     for key, measure in (("ratios", "seconds"), ("cpu_ratios", "cpu_seconds")):
         base = np.asarray(result[measure]["keras"])
         for variant in VARIANTS:
-            ratio = np.asarray(result[measure][variant]) / base
-            q25, median, q75 = np.percentile(ratio, [25, 50, 75])
-            result[key][variant] = {"median": median, "q25": q25, "q75": q75}
+            result[key][variant] = quartiles(np.asarray(result[measure][variant]) / base)
     result["keras_ms_per_step"] = (
         float(np.median(result["seconds"]["keras"])) / (steps * epochs) * 1e3
     )
