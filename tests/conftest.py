@@ -1,6 +1,10 @@
 import contextlib
+import importlib.util
+import json
 import os
 import socket
+import subprocess
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -138,6 +142,36 @@ def fit_batches(model, n, **fit_kwargs):
 def python_env(**extra):
     """The environment of a subprocess that imports this checkout's package."""
     return dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3", **extra)
+
+
+def run_benchmark(tmp_path, script, *args, out="result.json"):
+    """Runs `benchmarks/<script>` with `args` and `--out`, from `tmp_path`.
+
+    The script finds this checkout's package itself. Returns the finished
+    process and the JSON it wrote; fails the test if it exited with an error.
+    """
+    path = tmp_path / out
+    process = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmarks", script), *args, "--out", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+    assert process.returncode == 0, process.stderr[-4000:]
+    return process, json.loads(path.read_text())
+
+
+def load_benchmark(name):
+    """`benchmarks/<name>.py` as a module; benchmarks/ goes on `sys.path`."""
+    here = os.path.join(REPO, "benchmarks")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(here, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_ports(n):

@@ -6,42 +6,23 @@ made-up times.
 """
 
 import collections
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from conftest import load_benchmark
+from conftest import run_benchmark
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ["plain", "control", "kept", "every10", "hand", "floor", "recompute"]
 STATS = {"median", "q25", "q75"}
 
 
 @pytest.mark.slow
 def test_overhead_smoke_writes_every_promised_number(tmp_path):
-    out = tmp_path / "smoke.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "overhead.py"),
-            "--smoke",
-            "--instances",
-            "2",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(tmp_path),  # the script finds the package itself
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    proc, results = run_benchmark(
+        tmp_path, "overhead.py", "--smoke", "--instances", "2", out="smoke.json"
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| model | params | batch | jit |" in proc.stdout
-    results = json.loads(out.read_text())
 
     assert results["mode"] == "smoke" and results["complete"] is True
     assert results["variants"] == VARIANTS
@@ -118,17 +99,11 @@ def test_overhead_smoke_writes_every_promised_number(tmp_path):
 
 
 def _overhead_module():
-    spec = importlib.util.spec_from_file_location(
-        "overhead", os.path.join(ROOT, "benchmarks", "overhead.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("overhead")
 
 
 def _stats_module():
-    _overhead_module()  # puts benchmarks/ on sys.path
-    return importlib.import_module("overhead_stats")
+    return load_benchmark("overhead_stats")
 
 
 def test_pass_order_puts_every_key_at_every_position_equally_often():
@@ -268,33 +243,23 @@ def test_bootstrap_over_processes_draws_whole_processes_before_rounds():
 @pytest.mark.slow
 def test_overhead_in_processes_pools_their_rounds(tmp_path):
     out = tmp_path / "processes.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "overhead.py"),
-            "--smoke",
-            "--processes",
-            "2",
-            "--models",
-            "mlp_1m",
-            "--variants",
-            "kept",
-            "floor",
-            "--no-memory",
-            "--no-ops",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(tmp_path),
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    proc, results = run_benchmark(
+        tmp_path,
+        "overhead.py",
+        "--smoke",
+        "--processes",
+        "2",
+        "--models",
+        "mlp_1m",
+        "--variants",
+        "kept",
+        "floor",
+        "--no-memory",
+        "--no-ops",
+        out="processes.json",
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
     assert "process 2 of 2:" in proc.stderr
     assert "Each process alone (`--processes`)" in proc.stdout
-    results = json.loads(out.read_text())
     assert results["complete"] is True
     assert sorted(p.name for p in tmp_path.iterdir()) == ["processes.json"]
 
@@ -366,24 +331,10 @@ def test_a_process_of_processes_times_only_itself_whatever_the_spelling():
 
 
 def test_per_batch_overhead_smoke_reports_paired_ratios(tmp_path):
-    out = tmp_path / "per_batch.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "per_batch_overhead.py"),
-            "--smoke",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(tmp_path),
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    proc, results = run_benchmark(
+        tmp_path, "per_batch_overhead.py", "--smoke", out="per_batch.json"
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| model | params | batch | keras ms/step | kept / keras | all / keras " in proc.stdout
-    results = json.loads(out.read_text())
     assert results["smoke"] is True
     by_model = {r["model"]: r for r in results["results"]}
     # Smoke sizes: Dense(8->4) + Dense(4->1) = 36 + 5; Dense(16->32) +
@@ -401,24 +352,8 @@ def test_per_batch_overhead_smoke_reports_paired_ratios(tmp_path):
 
 
 def test_metric_overhead_smoke_times_every_variant_against_the_reference(tmp_path):
-    out = tmp_path / "metric.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "metric_overhead.py"),
-            "--smoke",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(tmp_path),
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc, result = run_benchmark(tmp_path, "metric_overhead.py", "--smoke", out="metric.json")
     assert "GradientNorm: " in proc.stdout and "the 2% budget." in proc.stdout
-    result = json.loads(out.read_text())
     # Smoke sizes: 16*32+32 + 32*16+16 + 16*10+10 = 1242 parameters.
     assert result["params"] == 1242 and result["rounds"] == 2 and result["mode"] == "smoke"
     assert list(result["variants"]) == ["reference", "control", "grad_norm", "per_layer", "all"]

@@ -34,7 +34,9 @@ import keras
 import numpy as np
 import pytest
 from conftest import REPO
+from conftest import load_benchmark
 from conftest import one_weight
+from conftest import run_benchmark
 
 import keras_keepgrad as kg
 from keras_keepgrad import _dynamics
@@ -538,26 +540,6 @@ def test_mirrored_noise_scale_matches_the_closed_form(mirrored):
 # --- the benchmark runs ------------------------------------------------------
 
 
-def _dynamics_benchmark(tmp_path, *flags):
-    out = tmp_path / "smoke.json"
-    process = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "benchmarks", "dynamics_overhead.py"),
-            *flags,
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(tmp_path),
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
-    )
-    assert process.returncode == 0, process.stderr[-4000:]
-    return process, json.loads(out.read_text())
-
-
 _TIMED = [
     "reference",
     "control",
@@ -580,8 +562,8 @@ _TIMED = [
     ],
 )
 def test_overhead_benchmark_smoke_writes_every_variant(tmp_path, mirrored, floors):
-    process, result = _dynamics_benchmark(
-        tmp_path, "--smoke", *(["--mirrored"] if mirrored else [])
+    process, result = run_benchmark(
+        tmp_path, "dynamics_overhead.py", "--smoke", *(["--mirrored"] if mirrored else [])
     )
     # Smoke sizes: 16*32+32 + 32*16+16 + 16*10+10 = 1242 parameters.
     assert result["params"] == 1242 and result["rounds"] == 2
@@ -628,19 +610,8 @@ def _run_result(replicas, beyond_control, beyond_floor):
     }
 
 
-def _dynamics_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "dynamics_overhead", os.path.join(REPO, "benchmarks", "dynamics_overhead.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_pooling_judges_each_statistic_by_the_processes_medians(tmp_path):
-    bench = _dynamics_module()
+    bench = load_benchmark("dynamics_overhead")
     # Per statistic, the five processes' medians beyond keeping and beyond
     # the floor. With 5 processes the interval of the median is their range
     # (order statistics 1 and 5), at coverage 1 - 2 / 32.
