@@ -366,11 +366,23 @@ def main(argv=None):
         help="time nothing: pool the --out files of several runs (one per process)",
     )
     args = parser.parse_args(argv)
+    if args.rounds < 0:
+        parser.error(f"--rounds must be 0 (the mode's) or more. Received: {args.rounds}")
     if args.pool:
         results = []
         for path in args.pool:
             with open(path) as f:
-                results.append(json.load(f))
+                result = json.load(f)
+            variants = result.get("variants") if isinstance(result, dict) else None
+            if not isinstance(variants, dict) or not all(
+                "beyond_floor" in variants.get(s, {}) for s in STATISTICS
+            ):
+                parser.error(
+                    f"--pool takes the --out files of dynamics_overhead.py runs; "
+                    f"{path} holds no statistic beside its floor. Rerun "
+                    "dynamics_overhead.py with --out for it."
+                )
+            results.append(result)
         pooled = pool(results)
         print(pool_table(pooled))
         if args.out:

@@ -610,7 +610,7 @@ def _run_result(replicas, beyond_control, beyond_floor):
     }
 
 
-def test_pooling_judges_each_statistic_by_the_processes_medians(tmp_path):
+def test_pooling_judges_each_statistic_by_the_processes_medians(tmp_path, capsys):
     bench = load_benchmark("dynamics_overhead")
     # Per statistic, the five processes' medians beyond keeping and beyond
     # the floor. With 5 processes the interval of the median is their range
@@ -678,3 +678,14 @@ def test_pooling_judges_each_statistic_by_the_processes_medians(tmp_path):
     fewer = dict(runs[1], variants={k: v for k, v in runs[1]["variants"].items() if k != "snr"})
     with pytest.raises(ValueError, match="must time the same variants"):
         bench.pool([runs[0], fewer])
+
+    # A file of another benchmark: an error naming it, nothing written.
+    other = tmp_path / "overhead.json"
+    other.write_text(json.dumps({"configs": []}))
+    with pytest.raises(SystemExit):
+        bench.main(["--pool", paths[0], str(other), "--out", str(tmp_path / "not.json")])
+    assert f"{other} holds no statistic beside its floor" in capsys.readouterr().err
+    assert not (tmp_path / "not.json").exists()
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "-1", "--smoke"])
+    assert "--rounds must be 0 (the mode's) or more. Received: -1" in capsys.readouterr().err
