@@ -84,28 +84,24 @@ class Step:
 _KEEPER_SERIALS = itertools.count()
 
 
-class HostCountedKeeper:
-    """What the JAX and PyTorch keepers share: their steps are counted in
-    Python, around the step, and their slots are held by the keeper.
+class Keeper:
+    """What every backend's keeper has.
 
     Attributes:
         every: Positive int. Slots are written on steps 1, 1 + every, ...
         paths: Paths of the variables the training function keeps, in
             `model.trainable_variables` order; `()` when its step passed
-            no gradient to any optimizer; None before its first step.
-        trainable_paths: The model's trainable variable paths at its last
-            step.
-        slots: The kept gradients, or None.
+            no gradient to any optimizer; None before its first (or, on
+            TensorFlow, traced) step.
+        trainable_paths: The model's trainable variable paths at that step
+            (the kept gradients are stale once they change).
     """
 
     def __init__(self, every=1):
         self.every = every
         self.paths = None
         self.trainable_paths = None
-        self.slots = None
-        self._serial = next(_KEEPER_SERIALS)
-        self._steps = 0
-        self._written = -1
+        self._serial = next(_KEEPER_SERIALS)  # tells keepers apart in `last_write`
         self._warned_missing = False
 
     @property
@@ -114,8 +110,23 @@ class HostCountedKeeper:
 
     @property
     def kept_nothing(self):
-        """Whether the last step had trainable variables but kept nothing."""
+        """Whether the last (traced) step had trainable variables but kept nothing."""
         return self.paths == () and bool(self.trainable_paths)
+
+
+class HostCountedKeeper(Keeper):
+    """What the JAX and PyTorch keepers share: their steps are counted in
+    Python, around the step, and their slots are held by the keeper.
+
+    Attributes:
+        slots: The kept gradients, or None.
+    """
+
+    def __init__(self, every=1):
+        super().__init__(every)
+        self.slots = None
+        self._steps = 0
+        self._written = -1
 
     def has_sparse_slots(self):
         """Gradients here are dense: never."""

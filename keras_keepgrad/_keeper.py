@@ -20,7 +20,6 @@ slot is dense and XLA computes the dense tensor once for both.
 import collections
 import contextlib
 import functools
-import itertools
 import re
 import types
 
@@ -457,10 +456,7 @@ def _check_unique_paths(variables):
         )
 
 
-_KEEPER_SERIALS = itertools.count()
-
-
-class GradientKeeper:
+class GradientKeeper(_capture.Keeper):
     """Owns one model's gradient slots, keyed by variable path.
 
     The slots are plain `tf.Variable`s held by this object, which is not a
@@ -482,38 +478,20 @@ class GradientKeeper:
             (`densified_in`): XLA then computes the dense tensor once for
             both, and the rows need no copy out of the compiled step.
 
-    Attributes:
-        paths: Paths of the variables the training function keeps, in
-            `model.trainable_variables` order; `()` when its step passed
-            no gradient to any optimizer; None before it was traced.
-        trainable_paths: The model's trainable variable paths when it was
-            traced (the kept gradients are stale once they change).
+    Attributes: as `_capture.Keeper`'s.
     """
 
     def __init__(self, strategy, sparse=True, every=1, choose_dense=False):
+        super().__init__(every)
         self.strategy = strategy
         self.sparse = sparse
-        self.every = every
         self.choose_dense = choose_dense
         self.dense_paths = set()
         self._deferred = None  # see `deferring_sparse_writes`
         self._deferred_slots = []
-        self._serial = next(_KEEPER_SERIALS)  # tells keepers apart in `last_write`
         self._slots = {}
         self._step = None  # counts steps, only with `every > 1`
         self._written = None  # `_step` at the last write, likewise
-        self.paths = None
-        self.trainable_paths = None
-        self._warned_missing = False
-
-    @property
-    def built(self):
-        return self.paths is not None
-
-    @property
-    def kept_nothing(self):
-        """Whether the traced step had trainable variables but kept nothing."""
-        return self.paths == () and bool(self.trainable_paths)
 
     def has_sparse_slots(self):
         """Whether some slot holds a sparse gradient as (values, indices)."""
