@@ -40,6 +40,7 @@ __all__ = [
     "collective_multi_worker",
     "data_spec_from_epoch_iterator",
     "functional_init_arguments",
+    "functional_structure",
     "in_symbolic_build",
 ]
 
@@ -53,6 +54,23 @@ __all__ = [
 MODEL_STATE_ATTRIBUTES = frozenset(
     ["optimizer", "stop_training", "history", "stop_evaluating", "stop_predicting"]
 )
+
+
+def functional_structure(model):
+    """`(inputs, outputs)` of a functional or Sequential model, nested as built.
+
+    `model.inputs` / `model.outputs` are flat lists: a model rebuilt from
+    them would take and return lists where `model` takes and returns one
+    tensor or a dict (so `predict` and a dict `loss` would change shape).
+    Keras keeps the nesting only in the private `_inputs_struct` /
+    `_outputs_struct`; a Sequential model holds them on its `_functional`,
+    which it makes once its input shape is known. Returns `(None, None)`
+    for a Sequential model that has none yet.
+    """
+    graph = model._functional if isinstance(model, keras.Sequential) else model
+    if graph is None:
+        return None, None
+    return graph._inputs_struct, graph._outputs_struct
 
 
 def check_backend(what):

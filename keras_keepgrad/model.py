@@ -784,15 +784,12 @@ def keep_gradients(model: keras.Model, **options: Any) -> "KeepGradModel":
         )
     inputs = outputs = None
     if isinstance(model, (_compat.Functional, keras.Sequential)):
-        try:
-            inputs, outputs = model.inputs, model.outputs
-        except (AttributeError, ValueError):
-            inputs = None
+        inputs, outputs = _compat.functional_structure(model)
     # Under the strategy `model` was made in, as Keras's own models take it
     # from the scope they are made in: its variables are that strategy's.
     strategy = getattr(model, "_distribute_strategy", None)
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        if inputs:
+        if inputs is not None:
             kept = FunctionalKeepGradModel(inputs, outputs, name=model.name, **options)
         else:
             kept = WrappedKeepGradModel(model, name=model.name, **options)

@@ -1050,6 +1050,44 @@ def test_dict_outputs_keep_each_heads_gradient():
     np.testing.assert_array_equal(model.gradients["b"]["kernel"], [[5.0]])
 
 
+@pytest.mark.parametrize("compiled_first", [False, True])
+def test_keep_gradients_keeps_dict_inputs_and_outputs_nested(compiled_first):
+    # Output keys differ from the layer names: a model rebuilt from the flat
+    # `inputs` / `outputs` lists would predict a list and refuse the dict loss.
+    a, b = keras.Input((1,), name="in_a"), keras.Input((1,), name="in_b")
+    total = keras.layers.Add()([a, b])
+    outputs = {"y1": dense_0(name="out1")(total), "y2": dense_0(name="out2", w=1.0)(total)}
+    plain = keras.Model({"in_a": a, "in_b": b}, outputs)
+    loss = {"y1": "mse", "y2": "mse"}
+    if compiled_first:
+        plain.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    model = kg.keep_gradients(plain)
+    if not compiled_first:
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    # in_a + in_b = x: the one-weight problem of `X`, `Y` for each head.
+    x = {"in_a": X / 2, "in_b": X / 2}
+    predicted = model.predict(x, verbose=0)
+    assert sorted(predicted) == ["y1", "y2"]
+    np.testing.assert_array_equal(predicted["y1"], [[3.0], [6.0]])
+    history = model.fit(x, {"y1": Y, "y2": Y}, batch_size=2, verbose=0).history
+    assert sorted(history) == ["loss", "y1_loss", "y2_loss"]
+    np.testing.assert_array_equal(model.gradients["out1"]["kernel"], [[15.0]])
+    np.testing.assert_array_equal(model.gradients["out2"]["kernel"], [[5.0]])
+
+
+def test_keep_gradients_of_a_one_input_model_takes_one_tensor(recwarn):
+    # Rebuilt from `inputs == [x]`, the model would warn that a bare tensor
+    # does not match its list of one input.
+    inputs = keras.Input((1,))
+    for plain in (
+        keras.Model(inputs, dense_0()(inputs)),
+        keras.Sequential([keras.Input((1,)), dense_0()]),
+    ):
+        model = kg.keep_gradients(plain)
+        np.testing.assert_array_equal(model(X), [[3.0], [6.0]])
+    assert [str(w.message) for w in recwarn] == []
+
+
 def test_layers_sharing_a_name_get_a_clear_error_not_a_lost_gradient():
     # Keras trains two layers both named "d"; their variables share a path,
     # the key of the kept gradients, so one of them would be lost.
