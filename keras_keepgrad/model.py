@@ -457,12 +457,13 @@ class KeepGradModel(keras.Model):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        # A subclass's own steps are wrapped alike.
-        step = vars(cls).get("train_step")
-        if step is not None and not getattr(step, "_keeps", False):
+        # A subclass's own steps are wrapped alike, wherever they are defined:
+        # on the class or on a mixin before `KeepGradModel` in its bases.
+        step = getattr(cls, "train_step")
+        if not getattr(step, "_keeps", False):
             cls.train_step = _keeping(step)
-        step = vars(cls).get("test_step")
-        if step is not None and not getattr(step, "_marks_evaluation", False):
+        step = getattr(cls, "test_step")
+        if not getattr(step, "_marks_evaluation", False):
             cls.test_step = _marking_evaluation(step)
 
     # Saving ------------------------------------------------------------

@@ -71,6 +71,40 @@ def test_the_guides_own_step_keeps_5w(mode, optimizer):
     assert model.gradient_dtypes == {"dense_0/kernel": tf.float32}
 
 
+class GuideSteps:
+    """The guide's steps on a mixin, before `KeepGradModel` in the bases."""
+
+    train_step = GuideStep.train_step
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        loss = self.compute_loss(y=y, y_pred=y_pred)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class MixedInSteps(GuideSteps, kg.KeepGradModel):
+    pass
+
+
+def test_steps_from_a_mixin_keep_and_evaluate_as_the_classs_own():
+    model = guide_model(MixedInSteps)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=[kg.metrics.GradientNorm()]
+    )
+    history = model.fit(X, Y, batch_size=2, verbose=0)
+    assert history.history["grad_norm"] == [15.0]  # 5w at w = 3
+    assert kernel(model) == 15.0
+    # Evaluation skips the gradient metric, as for the class's own steps:
+    # mse at w = 1.5 is 1.5^2 * 2.5.
+    assert model.evaluate(X, Y, verbose=0, return_dict=True) == {"loss": 5.625}
+
+
 def test_the_guides_step_under_mixed_float16_keeps_unscaled_float32():
     keras.config.set_dtype_policy("mixed_float16")
     model = guide_model()
