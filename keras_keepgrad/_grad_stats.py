@@ -143,8 +143,21 @@ class LatestNorms:
     """
 
     def __init__(self, model):
-        self.norms = GradientNorms(trainable_paths(model))
+        self.norms = GradientNorms(kept_paths(model))
         self._seen = _stats.count(model)
+
+    def follow(self, model):
+        """Takes the paths the step kept; returns whether they changed.
+
+        Before the training function is traced (at the first `fit`'s
+        `on_train_begin`) they are not known, and taken to be the trainable
+        paths; a step may keep fewer (a variable no optimizer receives).
+        """
+        paths = tuple(kept_paths(model))
+        if paths == self.norms.paths:
+            return False
+        self.norms = GradientNorms(paths)
+        return True
 
     @property
     def paths(self):
@@ -245,6 +258,20 @@ class NewGradients:
         keeper = model._keeper
         self._seen = None if keeper is None else keeper.last_write()[0]
 
+    def nothing_kept(self, model):
+        """Whether the last step kept nothing; warns the first time it did."""
+        keeper = model._keeper
+        if keeper is None or not keeper.kept_nothing:
+            return False
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{type(self._owner).__name__}: nothing to read. "
+                + _capture.nothing_kept_message(model),
+                stacklevel=3,
+            )
+        return True
+
     def step_of(self, model, step):
         """The step the kept gradients come from, or None if already read.
 
@@ -252,16 +279,9 @@ class NewGradients:
             model: The `KeepGradModel` being trained.
             step: The callback's current step (`StepCounter.step`).
         """
-        keeper = model._keeper
-        if keeper is not None and keeper.kept_nothing:
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"{type(self._owner).__name__}: nothing to read. "
-                    + _capture.nothing_kept_message(model),
-                    stacklevel=2,
-                )
+        if self.nothing_kept(model):
             return None
+        keeper = model._keeper
         write, age = (None, 0) if keeper is None else keeper.last_write()
         if write is not None:
             if write == self._seen:
@@ -379,3 +399,11 @@ def check_positive_float(name, value, above=0.0, or_none=True):
 
 def trainable_paths(model):
     return [v.path for v in model.trainable_variables]
+
+
+def kept_paths(model):
+    """The paths the model's last traced step kept, else its trainable paths."""
+    keeper = getattr(model, "_keeper", None)
+    if keeper is not None and keeper.paths:
+        return list(keeper.paths)
+    return trainable_paths(model)

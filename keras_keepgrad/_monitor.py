@@ -142,13 +142,16 @@ class GradientMonitor(keras.callbacks.Callback):
         self._steps.begin_train()
         self._new.begin(self.model)
         self._norms = _grad_stats.LatestNorms(self.model)
-        n_layers = len(self._norms.layers)
-        self._below = np.zeros(n_layers, np.int64)
-        self._vanished = np.zeros(n_layers, bool)
+        self._count_layers()
         self._recent = deque(maxlen=self.median_window)
         self._nonfinite_active = False
         self._exploding_active = False
         self.events = []
+
+    def _count_layers(self):
+        n_layers = len(self._norms.layers)
+        self._below = np.zeros(n_layers, np.int64)
+        self._vanished = np.zeros(n_layers, bool)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._steps.begin_epoch(epoch)
@@ -156,6 +159,8 @@ class GradientMonitor(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self._logs = logs if isinstance(logs, dict) else None
         previous = self._steps.end_batch(batch, self.params)
+        if self._norms.follow(self.model):
+            self._count_layers()  # the step kept fewer layers than it trains
         if not self._norms.paths or not _grad_stats.crossed(
             previous, self._steps.step, self.check_freq
         ):

@@ -178,11 +178,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         )
         self._iterations_at_begin = int(optimizer.iterations.numpy()) if self._count_skipped else 0
         traced = self.update_freq != "epoch"
-        layers = self._norms.layers
-        tags = [_tb_panels.layer_norm_tag(layer) for layer in layers]
-        tags += [_tb_panels.GLOBAL_NORM_TAG, _tb_panels.NONFINITE_TAG]
-        tags += _tb_panels.log10_norm_tags(layers) + [_tb_panels.LOG10_GLOBAL_TAG]
-        self._scalars = _tb_panels.ScalarWriter(self._train_writer, tags, traced=traced)
+        self._scalars = self._norm_writer()
         # The optimizer's scalars describe it now, not the kept step (which
         # under `keep_every` may be older): a writer of their own.
         optimizer_tags = []
@@ -197,9 +193,29 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         )
         self._batch_logs = None
         self._histogram_step = None
+
+    def _norm_writer(self):
+        """The writer of the norms of the layers `self._norms` reads."""
+        layers = self._norms.layers
+        tags = [_tb_panels.layer_norm_tag(layer) for layer in layers]
+        tags += [_tb_panels.GLOBAL_NORM_TAG, _tb_panels.NONFINITE_TAG]
+        tags += _tb_panels.log10_norm_tags(layers) + [_tb_panels.LOG10_GLOBAL_TAG]
+        traced = self.update_freq != "epoch"
+        return _tb_panels.ScalarWriter(self._train_writer, tags, traced=traced)
+
+    def _follow_kept_layers(self):
+        """Once the step is traced, its kept layers are the panels' layers.
+
+        Before, at the first `fit`'s start, they are taken to be the
+        trainable ones; the layout is written once they are known, so that
+        it shows no chart a step never fills.
+        """
+        if self._norms.follow(self.model):
+            self._guarded(self._scalars.flush)
+            self._scalars = self._norm_writer()
         if not self._layout_written:
-            self._guarded(self._write_layout)
             self._layout_written = True
+            self._guarded(self._write_layout)
 
     def _scalar_writers(self):
         return [
@@ -212,6 +228,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     def on_train_end(self, logs=None):
         # Before Keras closes the writers.
+        self._follow_kept_layers()
         self._guarded(self._flush_scalars)
         if self._heatmap_pending is not None:  # stopped before the last epoch
             self._guarded(self._write_heatmap, self._heatmap_pending)
@@ -267,6 +284,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             super().on_epoch_end(epoch, logs)
         if self._steps.step == 0:
             return
+        self._follow_kept_layers()
         if self.update_freq == "epoch" and self._steps.step > self._epoch_first_step:
             self._logs = None
             self._guarded(self._record)
@@ -328,6 +346,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
                 )
 
     def _record(self):
+        self._follow_kept_layers()
         if not self._norms.paths:
             return
         step = self._new.step_of(self.model, self._steps.step)
@@ -365,6 +384,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         return step
 
     def _write_histograms(self, step):
+        if self._new.nothing_kept(self.model):
+            return
         grads = self.model.get_gradients_by_path()
         with self._train_writer.as_default(), tf.summary.record_if(True):
             for path, grad in grads.items():

@@ -314,6 +314,35 @@ def test_a_step_that_keeps_nothing_says_so_everywhere(tmp_path):
     assert float(model.get_weights()[0][0, 0]) == 0.75
 
 
+def test_tensorboard_and_the_monitor_write_nothing_for_a_step_that_keeps_nothing(tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator
+
+    model = hand_update(keep=False)
+    model.compile(loss="mse")
+    board = kg.callbacks.GradientTensorBoard(
+        str(tmp_path), update_freq=1, histogram_freq=1, gradient_histogram_freq=1
+    )
+    monitor = kg.callbacks.GradientMonitor(exploding_threshold=1.0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model.fit(X, Y, batch_size=2, verbose=0, callbacks=[board, monitor])
+    messages = [str(w.message) for w in seen if "nothing to read" in str(w.message)]
+    assert [m.split(":")[0] for m in messages] == ["GradientTensorBoard", "GradientMonitor"]
+    assert monitor.events == []
+    acc = event_accumulator.EventAccumulator(
+        str(tmp_path / "train"), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    acc.Reload()
+    # Keras's own summaries and the layout, no gradient summary.
+    assert sorted(acc.Tags()["tensors"]) == [
+        "batch_loss",
+        "custom_scalars__config__",
+        "dense_0/kernel/histogram",
+        "epoch_learning_rate",
+        "epoch_loss",
+    ]
+
+
 def test_a_gradient_metric_in_a_step_that_keeps_nothing_raises():
     # The compiled metrics are updated without any kept gradient.
     class Updating(HandUpdate):
@@ -356,6 +385,45 @@ def test_variables_no_optimizer_receives_are_absent_with_a_warning():
     # d/dh mean((h b x)^2) = 2 h b^2 mean(x^2) = 2 * 3 * 2.5 = 15; no body entry.
     assert list(model.get_gradients_by_path()) == ["head/kernel"]
     assert kernel(model, "head") == 15.0
+
+
+def test_a_partly_kept_step_reaches_tensorboard_and_the_monitor(tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    model = head_only()
+    board = kg.callbacks.GradientTensorBoard(
+        str(tmp_path), update_freq=1, gradient_histogram_freq=1
+    )
+    monitor = kg.callbacks.GradientMonitor(exploding_threshold=10.0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*to any optimizer", category=UserWarning)
+        warnings.filterwarnings("ignore", message=".*exploding gradients", category=UserWarning)
+        model.fit(X, Y, batch_size=2, verbose=0, callbacks=[board, monitor])
+    # The head's 15 (see above) is all the step kept: layer, global norm,
+    # the monitor's report; no panel for the body, which has no gradient.
+    (event,) = monitor.events
+    assert "global norm 15" in event["message"]
+    acc = event_accumulator.EventAccumulator(
+        str(tmp_path / "train"), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    acc.Reload()
+    gradient_tags = sorted(t for t in acc.Tags()["tensors"] if "grad" in t)
+    assert gradient_tags == [
+        "gradients/global_norm",
+        "gradients/heatmap",
+        "gradients/layer_norm/head",
+        "gradients/nonfinite",
+        "head/kernel/gradient",
+        "log10_grad_norm/00_head",
+        "log10_grad_norm/global",
+    ]
+    for tag in ("gradients/layer_norm/head", "gradients/global_norm"):
+        (value,) = acc.Tensors(tag)
+        assert (value.step, float(tf.make_ndarray(value.tensor_proto))) == (1, 15.0)
+    (config,) = acc.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(tf.make_ndarray(config.tensor_proto).item())
+    assert [c.title for c in layout.category[0].chart][2:] == ["00 head: gradient norm, log10"]
 
 
 def test_a_partly_kept_step_saves_its_gradients_by_variable_position(tmp_path):
