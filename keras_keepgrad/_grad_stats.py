@@ -183,7 +183,7 @@ class LatestNorms:
                 if np.isfinite(squares).all():
                     return self.norms.from_squares(squares)
                 # Overflow or NaN/inf: the slots tell them apart (float64).
-        return self.norms(model.get_gradients_by_path())
+        return self.norms(readable_gradients(model))
 
 
 class StepCounter:
@@ -395,6 +395,22 @@ def check_positive_float(name, value, above=0.0, or_none=True):
     raise ValueError(
         f"`{name}` must be a finite number above {above:g}{none}. Received: {name}={value!r}"
     )
+
+
+def readable_gradients(model):
+    """`model.get_gradients_by_path()`, bfloat16 gradients cast to float32.
+
+    The callbacks read the kept gradients through TensorFlow and NumPy:
+    PyTorch's bfloat16 tensors convert to neither (NumPy has no bfloat16),
+    and a bfloat16 file or histogram is of little use. The cast is exact.
+    """
+    grads = model.get_gradients_by_path()
+    return {
+        path: keras.ops.cast(grad, "float32")
+        if keras.backend.standardize_dtype(grad.dtype) == "bfloat16"
+        else grad
+        for path, grad in grads.items()
+    }
 
 
 def trainable_paths(model):

@@ -9,7 +9,6 @@ import warnings
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_keepgrad import _grad_stats
 
@@ -120,10 +119,8 @@ class GradientSnapshot(keras.callbacks.Callback):
         epoch = self._steps.epoch_of(step) + 1
         filename = self.path.format(step=step, epoch=epoch)
         arrays = {}
-        for path, grad in self.model.get_gradients_by_path().items():
-            if grad.dtype == tf.bfloat16:
-                grad = tf.cast(grad, tf.float32)
-            arrays[path] = np.asarray(grad)
+        for path, grad in _grad_stats.readable_gradients(self.model).items():
+            arrays[path] = keras.ops.convert_to_numpy(grad)
         arrays["step"] = np.int64(step)
         arrays["epoch"] = np.int64(epoch)
         arrays["loss_scale"] = np.float64(_grad_stats.loss_scale_of(self.model.optimizer))

@@ -386,7 +386,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
     def _write_histograms(self, step):
         if self._new.nothing_kept(self.model):
             return
-        grads = self.model.get_gradients_by_path()
+        grads = _grad_stats.readable_gradients(self.model)
         with self._train_writer.as_default(), tf.summary.record_if(True):
             for path, grad in grads.items():
                 values = tf.reshape(grad, [-1])

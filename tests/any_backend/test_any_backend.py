@@ -213,15 +213,19 @@ def test_other_backends_named_in_the_error(monkeypatch):
 # TensorBoard callback does on every backend) -------------------------------
 
 
-def test_callbacks_read_every_step(tmp_path):
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_callbacks_read_every_step(tmp_path, dtype):
     from tensorboard.backend.event_processing import event_accumulator
     from tensorboard.util import tensor_util
 
-    model = one_weight()
+    # 15, 7.5, 3.75 and SGD(0.1)'s steps between them are exact in bfloat16.
+    model = one_weight(dtype=dtype)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     monitor = kg.callbacks.GradientMonitor(check_freq=1)
     callbacks = [
-        kg.callbacks.GradientTensorBoard(str(tmp_path / "tb"), update_freq=1),
+        kg.callbacks.GradientTensorBoard(
+            str(tmp_path / "tb"), update_freq=1, gradient_histogram_freq=1
+        ),
         monitor,
         kg.callbacks.GradientSnapshot(str(tmp_path / "snap" / "{step:03d}.npz"), every=1),
     ]
@@ -229,6 +233,7 @@ def test_callbacks_read_every_step(tmp_path):
               callbacks=callbacks)  # fmt: skip
     snaps = [np.load(tmp_path / "snap" / f"{step:03d}.npz") for step in (1, 2, 3)]
     assert [float(s["dense_0/kernel"][0, 0]) for s in snaps] == [15.0, 7.5, 3.75]
+    assert snaps[0]["dense_0/kernel"].dtype == np.float32  # bfloat16 is stored as float32
     acc = event_accumulator.EventAccumulator(
         str(tmp_path / "tb" / "train"), size_guidance={event_accumulator.TENSORS: 0}
     )
@@ -238,6 +243,15 @@ def test_callbacks_read_every_step(tmp_path):
         for e in acc.Tensors("gradients/global_norm")
     ]
     assert norms == [15.0, 7.5, 3.75]
+    # A histogram of each step's one value: its buckets span exactly it.
+    histograms = [
+        tensor_util.make_ndarray(e.tensor_proto) for e in acc.Tensors("dense_0/kernel/gradient")
+    ]
+    assert [(h[:, 0].min(), h[:, 1].max(), h[:, 2].sum()) for h in histograms] == [
+        (15.0, 15.0, 1.0),
+        (7.5, 7.5, 1.0),
+        (3.75, 3.75, 1.0),
+    ]
     assert monitor.events == []  # nothing non-finite, vanishing or exploding
 
 
