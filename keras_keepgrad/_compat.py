@@ -15,6 +15,28 @@ SUPPORTED_BACKENDS = ("tensorflow", "jax", "torch")
 
 BACKEND = keras.backend.backend()
 
+
+def check_backend(what):
+    """Raises if Keras runs on a backend that keeping does not support.
+
+    Gradients are kept where the optimizers of the TensorFlow, JAX and
+    PyTorch trainers receive them; on any other backend a `KeepGradModel`
+    would silently keep nothing.
+    """
+    backend = keras.backend.backend()
+    if backend not in SUPPORTED_BACKENDS:
+        raise RuntimeError(
+            f"{what} requires the TensorFlow, the JAX or the PyTorch backend "
+            f"of Keras. Received: KERAS_BACKEND={backend!r}. Set the "
+            "environment variable KERAS_BACKEND=tensorflow, KERAS_BACKEND=jax "
+            'or KERAS_BACKEND=torch (or `"backend": "jax"` in '
+            "~/.keras/keras.json) before importing keras."
+        )
+
+
+# At import, before reaching for a trainer this backend does not have.
+check_backend("keras_keepgrad")
+
 if BACKEND == "tensorflow":
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
     from keras.src.backend.tensorflow.trainer import (
@@ -71,24 +93,6 @@ def functional_structure(model):
     if graph is None:
         return None, None
     return graph._inputs_struct, graph._outputs_struct
-
-
-def check_backend(what):
-    """Raises if Keras runs on a backend that keeping does not support.
-
-    Gradients are kept where the optimizers of the TensorFlow, JAX and
-    PyTorch trainers receive them; on any other backend a `KeepGradModel`
-    would silently keep nothing.
-    """
-    backend = keras.backend.backend()
-    if backend not in SUPPORTED_BACKENDS:
-        raise RuntimeError(
-            f"{what} requires the TensorFlow, the JAX or the PyTorch backend "
-            f"of Keras. Received: KERAS_BACKEND={backend!r}. Set the "
-            "environment variable KERAS_BACKEND=tensorflow, KERAS_BACKEND=jax "
-            'or KERAS_BACKEND=torch (or `"backend": "jax"` in '
-            "~/.keras/keras.json) before importing keras."
-        )
 
 
 def compile_arguments(model):

@@ -1014,6 +1014,15 @@ def test_other_backends_are_refused_with_a_clear_error(monkeypatch):
         kg.keep_gradients(plain)
 
 
+def test_importing_on_another_backend_is_refused_with_the_same_error():
+    result = run_py("import keras_keepgrad", env={"KERAS_BACKEND": "numpy"})
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "RuntimeError: keras_keepgrad requires the TensorFlow, the JAX or the "
+        "PyTorch backend of Keras. Received: KERAS_BACKEND='numpy'."
+    ), result.stderr[-2000:]
+
+
 def test_keep_every_writes_steps_1_3_5_and_holds_between(mode):
     model = one_weight(keep_every=2)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
