@@ -762,6 +762,31 @@ def build_gradient_metrics(model):
             metric._build_for(variables)
 
 
+def check_gradient_metrics(model):
+    """Raises if two of `model`'s gradient metrics would log under one key (internal).
+
+    Keras flattens each metric's `{key: value}` into the logs, where the
+    later of two equal keys would silently replace the earlier. Called
+    before `make_train_function` changes anything.
+    """
+    metrics = _gradient_metrics(model)
+    paths = [v.path for v in model.trainable_variables]
+    owners = {}
+    for metric in metrics:
+        for key in metric._keys_for(paths) or ():
+            other = owners.setdefault(key, metric)
+            if other is not metric:
+                raise ValueError(
+                    "Two gradient metrics in `compile(metrics=...)` log under "
+                    f"the same name {key!r}: "
+                    f"{type(other).__name__}(name={other.name!r}) and "
+                    f"{type(metric).__name__}(name={metric.name!r}), so one "
+                    "would hide the other in the logs and History. Give "
+                    f"each its own `name=...`, e.g. {type(metric).__name__}"
+                    f"(..., name={metric.name + '_2'!r})."
+                )
+
+
 # Defined apart (they build on the classes above), public from here.
 from keras_keepgrad._dynamics import GradientCosine  # noqa: E402
 from keras_keepgrad._dynamics import GradientNoiseScale  # noqa: E402

@@ -375,6 +375,7 @@ class KeepGradModel(keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         if self._keep_gradients:
+            metrics_lib.check_gradient_metrics(self)
             _capture.install()
             if _compat.BACKEND == "tensorflow":
                 _keeper.install_reduction_reuse()

@@ -417,6 +417,41 @@ def test_model_without_kept_gradients_fails_at_the_first_step(make):
         model.fit(X, Y, verbose=0)
 
 
+def test_two_gradient_metrics_of_one_name_are_refused_before_training():
+    model = one_weight()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss="mse",
+        metrics=[kgm.GradientNorm(), kgm.GradientNorm(reduction="max")],
+    )
+    match = (
+        r"in `compile\(metrics=...\)` log under the same name 'grad_norm'.*"
+        r"name='grad_norm_2'"
+    )
+    with pytest.raises(ValueError, match=match):
+        model.fit(X, Y, batch_size=2, verbose=0)
+    np.testing.assert_array_equal(model.get_weights()[0], [[3.0]])  # untouched
+    # Per-layer keys are checked too: "grad_norm/dense_0" twice.
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss="mse",
+        metrics=[
+            kgm.GradientNorm(per_layer=True),
+            kgm.GradientNorm(per_layer=True, reduction="max"),
+        ],
+    )
+    with pytest.raises(ValueError, match="same name 'grad_norm/dense_0'"):
+        model.fit(X, Y, batch_size=2, verbose=0)
+    # Named apart, both are logged.
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss="mse",
+        metrics=[kgm.GradientNorm(), kgm.GradientNorm(reduction="max", name="grad_norm_max")],
+    )
+    history = model.fit(X, Y, batch_size=2, verbose=0).history
+    assert (history["grad_norm"], history["grad_norm_max"]) == ([15.0], [15.0])
+
+
 def test_non_scalar_fn_names_the_metric():
     model = one_weight()
     metric = kgm.GradientMetric(lambda g: g["dense_0"]["kernel"], name="whole_kernel")
