@@ -45,6 +45,10 @@ if BACKEND == "tensorflow":
 
     # The trainer class `keras.Model` derives from on this backend.
     BackendTrainer = TensorFlowTrainer
+    # The base class of the graphs of `tf.cond` branches and loop bodies
+    # (TensorFlow's, private): the only way to tell that an op is traced
+    # conditionally.
+    from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 elif BACKEND == "torch":
     from keras.src.backend.torch.trainer import TorchTrainer as BackendTrainer
 else:
@@ -53,6 +57,7 @@ else:
 __all__ = [
     "BACKEND",
     "BackendTrainer",
+    "ControlFlowFuncGraph",
     "Functional",
     "MODEL_STATE_ATTRIBUTES",
     "SUPPORTED_BACKENDS",

@@ -442,6 +442,33 @@ class _Slot:
         return copies[0]
 
 
+def _check_unconditional(step, call):
+    """Raises if `call` is traced inside a `tf.cond` or loop of the step.
+
+    Slots written there would keep their last values on the steps where
+    the branch does not run (before its first run: zeros), and the
+    statistics read after the step could not reach the branch's tensors:
+    kept gradients are those of every step that runs. A Python `if` on
+    Python values and a `for` over `range` trace no control flow (Keras
+    does not convert `train_step` with AutoGraph).
+    """
+    outer = step.backend_state.graph
+    graph = None if outer is None else tf.compat.v1.get_default_graph()
+    while graph is not None and graph is not outer:
+        if isinstance(graph, _compat.ControlFlowFuncGraph):
+            raise RuntimeError(
+                f"{call} was called inside a `tf.cond` or `tf.while_loop` "
+                f"in the training step of model {step.model.name!r}. "
+                "Its kept gradients would be stale on the steps where that "
+                "branch does not run, so `KeepGradModel` refuses it. Call it "
+                "on every step, outside the condition or loop (a Python `for` "
+                "over `range(n)` is unrolled and fine), or train with "
+                "`run_eagerly=True`, where a Python `if` decides at each step "
+                "and a step keeps the gradients its optimizers did receive."
+            )
+        graph = getattr(graph, "outer_graph", None)
+
+
 def _check_unique_paths(variables):
     """Raises if two variables share a path: slots and reads are keyed by it."""
     counts = collections.Counter(v.path for v in variables)
@@ -502,7 +529,11 @@ class GradientKeeper(_capture.Keeper):
     def begin_step(self, step):
         """Before the model's `train_step`: what this step writes under."""
         step.backend_state = types.SimpleNamespace(
-            summed={}, write_now=None, passed={}, summed_by_update={}
+            summed={},
+            write_now=None,
+            passed={},
+            summed_by_update={},
+            graph=None if tf.executing_eagerly() else tf.compat.v1.get_default_graph(),
         )
         if self.every > 1:
             if self._step is None:
@@ -539,6 +570,7 @@ class GradientKeeper(_capture.Keeper):
         Returns:
             What `apply` returns.
         """
+        _check_unconditional(step, f"`{type(optimizer).__name__}.apply`")
         kept = unscale(optimizer, variables, grads)
         if self._choose_dense_after(variables, kept):
             # The update's own ops tell which sparse gradients it densifies:
@@ -574,6 +606,7 @@ class GradientKeeper(_capture.Keeper):
     def keep_given(self, step, variables, grads):
         """Keeps `grads` as given (a step without optimizer); returns them
         ordered after their slot writes."""
+        _check_unconditional(step, "`keep_step_gradients`")
         kept = [
             tf.zeros(v.shape, dtype=v.dtype) if g is None else g for v, g in zip(variables, grads)
         ]

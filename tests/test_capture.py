@@ -358,6 +358,63 @@ def test_a_gradient_metric_in_a_step_that_keeps_nothing_raises():
         model.fit(X, Y, batch_size=2, verbose=0)
 
 
+class ConditionalApply(kg.KeepGradModel):
+    """Applies its optimizer only on batches whose mean input exceeds 2,
+    in a `tf.cond` (or, with `loop`, twice in a `tf.while_loop`)."""
+
+    def __init__(self, *args, loop=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loop = loop
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((self(x) - y) ** 2)
+        variables = self.trainable_variables
+        grads = tape.gradient(loss, variables)
+
+        def apply(*_):
+            self.optimizer.apply(grads, variables)
+            return tf.constant(1)
+
+        if self.loop:
+            tf.while_loop(lambda i: i < 2, lambda i: (apply() + i,), [tf.constant(0)])
+        else:
+            tf.cond(keras.ops.mean(x) > 2.0, apply, lambda: tf.constant(0))
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_an_optimizer_applied_under_traced_control_flow_is_refused(loop):
+    inputs = keras.Input((1,))
+    model = ConditionalApply(inputs, dense_0()(inputs), loop=loop)
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    with pytest.raises(RuntimeError, match=r"`SGD.apply` was called inside a `tf.cond`"):
+        model.fit(X, Y, batch_size=2, verbose=0)
+    np.testing.assert_array_equal(model.get_weights()[0], [[3.0]])  # no step ran
+
+
+def test_a_conditional_apply_run_eagerly_keeps_the_steps_that_apply():
+    inputs = keras.Input((1,))
+    model = ConditionalApply(inputs, dense_0()(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), run_eagerly=True)
+    seen = []
+
+    class Read(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            try:
+                seen.append(kernel(self.model))
+            except RuntimeError as error:
+                seen.append("no optimizer" if "passed no gradients" in str(error) else error)
+
+    # Batch means 1.5, 3.5, 1.5: only the second applies, at w = 3 and
+    # x = [3, 4]: d/dw mean((w x)^2) = 2 w mean(x^2) = 6 * 12.5 = 75.
+    x = np.concatenate([X, X + 2, X])
+    model.fit(x, np.zeros((6, 1)), batch_size=2, shuffle=False, verbose=0, callbacks=[Read()])
+    assert seen == ["no optimizer", 75.0, "no optimizer"]
+    np.testing.assert_array_equal(model.get_weights()[0], [[3.0 - 0.1 * 75.0]])
+
+
 class HeadOnly(kg.KeepGradModel):
     """Trains only its `head` layer with the optimizer."""
 
