@@ -390,7 +390,7 @@ class KeepGradModel(keras.Model):
                 self._keeper.record_updates = metrics_lib._measures_updates(self)
         return super().make_train_function(force=force)
 
-    def keep_step_gradients(self, grads, variables):
+    def keep_step_gradients(self, grads: list, variables: list) -> list:
         """Keeps gradients that a training step applies without an optimizer.
 
         Call it from your own `train_step`, for variables that you update by
