@@ -46,7 +46,7 @@ def hand_data(batches):
     return x, np.zeros_like(x)
 
 
-def two_layer_model(names=("dense_0", "dense_1"), **kwargs):
+def two_layer_model(names=("dense_0", "dense_1"), cls=kg.KeepGradModel, **kwargs):
     inputs = keras.Input((2,))
     hidden = keras.layers.Dense(
         3, kernel_initializer="ones", bias_initializer="ones", name=names[0]
@@ -56,9 +56,25 @@ def two_layer_model(names=("dense_0", "dense_1"), **kwargs):
         kernel_initializer=keras.initializers.Constant(0.5),
         name=names[1],
     )(hidden)
-    model = kg.KeepGradModel(inputs, outputs)
+    model = cls(inputs, outputs)
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", **kwargs)
     return model
+
+
+def tape_gradients(model, x, y, batch_size, epochs):
+    """Each step's `{path: gradient}` of a plain model trained batch by batch
+    in order with a `tf.GradientTape` and its optimizer: the reference."""
+    found = []
+    for _ in range(epochs):
+        for start in range(0, len(x), batch_size):
+            xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(xb) - yb))
+            variables = model.trainable_variables
+            grads = tape.gradient(loss, variables)
+            model.optimizer.apply(grads, variables)
+            found.append({v.path: g.numpy() for v, g in zip(variables, grads)})
+    return found
 
 
 def layer_norms(grads):
@@ -276,6 +292,17 @@ def test_tensorboard_heatmap_is_a_labelled_figure(hand_run):
     assert _tb_panels.color_range(np.log10([[15.0, 7.5, 3.75]])) == pytest.approx(
         (np.log10(7.5) - 0.5, np.log10(7.5) + 0.5)
     )
+    # So the three cells, steps 1 to 3 left to right, are viridis at
+    # 0.5 + log10(2) = 0.801, 0.5 and 0.5 - log10(2) = 0.199 (matplotlib's
+    # `colormaps["viridis"]`, times 255, rounded); each fills a cell of about
+    # 190 x 59 pixels.
+    colors = {15.0: [124, 210, 80], 7.5: [33, 145, 140], 3.75: [65, 66, 135]}
+    where = {v: np.nonzero((image == c).all(axis=-1)) for v, c in colors.items()}
+    assert all(len(rows) > 10_000 for rows, _ in where.values())
+    (left_rows, left), (_, right) = where[15.0], where[3.75]
+    row, middle = int(np.median(left_rows)), int((left.mean() + right.mean()) / 2)
+    assert left.max() < middle < right.min()
+    assert image[row, middle].tolist() == colors[7.5]
 
 
 def test_heatmap_color_range_ignores_a_spike():
@@ -451,7 +478,9 @@ def test_tensorboard_steps_per_execution_validation_and_epoch_freq(tmp_path):
         callbacks=[every_2, per_epoch, recorder],
     )
     assert len(recorder.grads) == 6
-    reference = dict(zip([2, 4, 5, 7, 9, 10], map(layer_norms, recorder.grads)))
+    # The steps Keras calls back after, 1-based, as a tape computes them.
+    tape = tape_gradients(two_layer_model(cls=keras.Model), x, y, batch_size=2, epochs=2)
+    reference = {s: layer_norms(tape[s - 1]) for s in [2, 4, 5, 7, 9, 10]}
     globals_ = {
         s: float(np.sqrt(sum(n**2 for n in norms.values()))) for s, norms in reference.items()
     }
@@ -643,6 +672,7 @@ def test_monitor_reports_explosions_by_threshold_and_by_median():
 def test_snapshot_files_equal_the_kept_gradients(tmp_path):
     model = two_layer_model()
     x = np.arange(8, dtype="float32").reshape(4, 2)
+    tape = tape_gradients(two_layer_model(cls=keras.Model), x, np.ones((4, 1)), 1, 2)
     recorder = Recorder()
     every = callbacks.GradientSnapshot(tmp_path / "every" / "g-{step:03d}.npz", every=2)
     latest = callbacks.GradientSnapshot(tmp_path / "latest.npz")
@@ -664,6 +694,7 @@ def test_snapshot_files_equal_the_kept_gradients(tmp_path):
             assert sorted(set(data.files) - {"step", "epoch", "loss_scale"}) == sorted(kept)
             for path, grad in kept.items():
                 np.testing.assert_array_equal(data[path], grad)
+                np.testing.assert_allclose(data[path], tape[step - 1][path], rtol=1e-6)
     # Without a field, each epoch replaces the file.
     assert latest.files == [str(tmp_path / "latest.npz")] * 2
     with np.load(latest.files[-1]) as data:

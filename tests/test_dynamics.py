@@ -56,14 +56,38 @@ ALL = [
 ]
 
 
-@pytest.mark.parametrize("metric", ALL, ids=lambda m: f"{type(m).__name__}-{m.name}")
-def test_config_round_trip(metric):
+# Every constructor argument of each entry of ALL, as given or defaulted.
+ARGUMENTS = [
+    dict(
+        name="grad_noise_scale",
+        reduction="last",
+        accumulation_steps=4,
+        smoothing=0.9,
+        components=False,
+    ),
+    dict(name="gns", reduction="last", accumulation_steps=3, smoothing=0.5, components=True),
+    dict(name="grad_snr", reduction="mean", accumulation_steps=4, per_layer=True),
+    dict(name="grad_snr", reduction="last", accumulation_steps=2, per_layer=False),
+    dict(name="grad_cosine", reduction="mean", per_layer=False),
+    dict(name="cos", reduction="max", per_layer=True),
+]
+
+
+@pytest.mark.parametrize(
+    "metric, arguments",
+    zip(ALL, ARGUMENTS),
+    ids=lambda m: f"{type(m).__name__}-{m.name}" if hasattr(m, "name") else "",
+)
+def test_config_round_trip(metric, arguments):
     config = metric.get_config()
+    # A config that dropped an argument would round-trip to the default.
+    assert config == arguments
     clone = type(metric).from_config(config)
-    assert clone.get_config() == config
     revived = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(metric))
     assert type(revived) is type(metric)
-    assert revived.get_config() == config
+    for copy in (clone, revived):
+        assert {k: getattr(copy, k) for k in arguments} == arguments
+        assert copy.get_config() == config
 
 
 def test_names_and_defaults():

@@ -66,15 +66,31 @@ ALL = [
 ]
 
 
-@pytest.mark.parametrize("metric", ALL, ids=lambda m: type(m).__name__)
-def test_config_round_trip(metric):
+# Every constructor argument of each entry of ALL, as given or defaulted.
+ARGUMENTS = [
+    dict(name="k", reduction="last", fn=kernel_grad),
+    dict(name="grad_norm", reduction="mean", per_layer=False),
+    dict(name="gn", reduction="max", per_layer=True),
+    dict(name="grad_max_abs", reduction="max"),
+    dict(name="grad_nonfinite", reduction="sum"),
+    dict(name="grad_vanishing", reduction="mean", threshold=0.5),
+    dict(name="update_ratio", reduction="mean", per_layer=True),
+]
+
+
+@pytest.mark.parametrize(
+    "metric, arguments", zip(ALL, ARGUMENTS), ids=lambda m: getattr(m, "name", "")
+)
+def test_config_round_trip(metric, arguments):
     config = metric.get_config()
+    # A config that dropped an argument would round-trip to the default.
+    assert sorted(config) == sorted(arguments)
     clone = type(metric).from_config(config)
-    assert clone.get_config() == config
-    assert clone.name == metric.name and clone.reduction == metric.reduction
     revived = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(metric))
     assert type(revived) is type(metric)
-    assert revived.get_config() == config
+    for copy in (clone, revived):
+        assert {k: getattr(copy, k) for k in arguments} == arguments
+        assert copy.get_config() == config
 
 
 def test_builtin_names_and_defaults():
