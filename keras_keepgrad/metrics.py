@@ -762,7 +762,7 @@ def build_gradient_metrics(model):
             metric._build_for(variables)
 
 
-def check_gradient_metrics(model):
+def _check_unique_keys(model):
     """Raises if two of `model`'s gradient metrics would log under one key (internal).
 
     Keras flattens each metric's `{key: value}` into the logs, where the

@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import inspect
 import numbers
 import os
 import sys
@@ -208,12 +209,12 @@ class KeepGradModel(keras.Model):
     @keep_gradients.setter
     def keep_gradients(self, value):
         value = _checks.check_bool("keep_gradients", value)
+        if value and _compat.BACKEND == "torch" and getattr(self, "_jit_compile", False):
+            self._refuse_torch_compile(True)  # before anything changes
         if value != self._keep_gradients:
             # The training function is traced with or without keeping.
             self.train_function = None
         self._keep_gradients = value
-        if value and _compat.BACKEND == "torch" and getattr(self, "_jit_compile", False):
-            keras.Model.jit_compile.fset(self, self._refuse_torch_compile(True))
 
     @property
     def save_gradients(self):
@@ -319,9 +320,9 @@ class KeepGradModel(keras.Model):
 
         Under a `tf.distribute` strategy with several replicas XLA cannot
         compile Keras's step (it reads each replica's variables from one
-        device), so `True` falls back to `False` with a warning. So it does
-        on PyTorch while the model keeps gradients (`torch.compile`: see
-        `_refuse_torch_compile`).
+        device), so `True` falls back to `False` with a warning. On PyTorch,
+        `True` (`torch.compile`) is refused while the model keeps gradients
+        (see `_refuse_torch_compile`).
         """
         if getattr(getattr(self, "_pending", None), "xla_inside_step", False):
             return False  # only while `_make_function` wraps an XLA step
@@ -350,32 +351,69 @@ class KeepGradModel(keras.Model):
         keras.Model.jit_compile.fset(self, value)
 
     def _refuse_torch_compile(self, value):
-        """`value`, or False with a warning on PyTorch.
+        """`value`; raises on PyTorch.
 
         `torch.compile` splits the step into pieces (at `loss.backward()`
         and at the keeping itself), its compiled `Adam` update writes the
         gradient tensors it receives in place, and gradient metrics fail to
         trace: keeping under it is not verified exact. Eager is Keras's
-        default on PyTorch anyway.
+        default on PyTorch anyway. Called before anything is changed.
         """
         if _compat.BACKEND != "torch":
             return value
-        warnings.warn(
+        raise ValueError(
             "`jit_compile=True` (`torch.compile`) is not supported by a "
             "`KeepGradModel` that keeps gradients on the PyTorch backend: "
             "keeping under the compiled step is not verified exact, and "
-            "gradient metrics do not trace under it. Proceeding with "
-            "`jit_compile=False` (eager, Keras's default on PyTorch). "
-            f"Received: jit_compile={value!r}.",
-            stacklevel=_user_stacklevel(),
+            "gradient metrics do not trace under it. The TensorFlow and JAX "
+            "backends support it (XLA). On PyTorch pass `jit_compile=False` "
+            "(eager, Keras's default there), or `keep_gradients=False` for "
+            f"a plain compiled model. Received: jit_compile={value!r}."
         )
-        return False
+
+    def compile(self, *args, **kwargs):
+        if _compat.BACKEND == "torch" and self._keep_gradients:
+            # Refused before Keras's `compile` sets the optimizer and loss,
+            # so that a refused call leaves the model as it was.
+            bound = inspect.signature(keras.Model.compile).bind(self, *args, **kwargs)
+            jit_compile = bound.arguments.get("jit_compile", "auto")
+            if jit_compile is True:
+                self._refuse_torch_compile(jit_compile)
+        super().compile(*args, **kwargs)
+
+    def compile_from_config(self, config):
+        # Keras's own skips compiling a model whose class overrides
+        # `compile`, as this one does: the same steps, for a `compile` that
+        # only adds a check. A user's subclass with its own `compile` gets
+        # Keras's behaviour (a warning, and no compile).
+        if type(self).compile is not KeepGradModel.compile:
+            return super().compile_from_config(config)
+        config = keras.saving.deserialize_keras_object(config)
+        if (
+            _compat.BACKEND == "torch"
+            and self._keep_gradients
+            and config.get("jit_compile") is True
+        ):
+            # A file compiled elsewhere with XLA: loading it here must not
+            # fail, so the restored option falls back, saying so.
+            warnings.warn(
+                "The loaded model was compiled with `jit_compile=True`, which "
+                "a `KeepGradModel` that keeps gradients does not support on "
+                "the PyTorch backend (TensorFlow and JAX do): compiled with "
+                "`jit_compile=False` (eager) instead.",
+                stacklevel=2,
+            )
+            config["jit_compile"] = False
+        self.compile(**config)
+        if hasattr(self, "optimizer") and self.built:
+            # As Keras: the optimizer's variables, for its loaded state.
+            self.optimizer.build(self.trainable_variables)
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
         if self._keep_gradients:
-            metrics_lib.check_gradient_metrics(self)
+            metrics_lib._check_unique_keys(self)
             _capture.install()
             if _compat.BACKEND == "tensorflow":
                 _keeper.install_reduction_reuse()

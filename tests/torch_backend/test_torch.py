@@ -245,10 +245,20 @@ def test_steps_per_execution_is_refused_by_keras_on_torch():
         model.fit(np.tile(X, (4, 1)), np.tile(Y, (4, 1)), batch_size=2, verbose=0)
 
 
-def test_jit_compile_falls_back_to_eager_with_a_warning():
+JIT_REFUSED = (
+    r"`jit_compile=True` \(`torch.compile`\) is not supported.*"
+    r"The TensorFlow and JAX backends support it.*Received: jit_compile=True"
+)
+
+
+def test_jit_compile_is_refused_naming_the_backends_that_support_it():
     model = one_weight()
-    with pytest.warns(UserWarning, match=r"`jit_compile=True` \(`torch.compile`\) is not supp"):
+    with pytest.raises(ValueError, match=JIT_REFUSED):
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+    assert not model.compiled and not hasattr(model, "optimizer")  # nothing was set
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.raises(ValueError, match=JIT_REFUSED):
+        model.jit_compile = True
     assert model.jit_compile is False
     rec = Recorder()
     fit_batches(model, 2, callbacks=[rec])
@@ -259,11 +269,34 @@ def test_jit_compile_stays_for_a_model_that_keeps_nothing_until_keeping_is_on():
     model = one_weight(keep_gradients=False)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
     assert model.jit_compile is True  # a plain `keras.Model` in everything
-    with pytest.warns(UserWarning, match="Proceeding with `jit_compile=False`"):
+    with pytest.raises(ValueError, match=JIT_REFUSED):
         model.keep_gradients = True
-    assert model.jit_compile is False
+    assert (model.keep_gradients, model.jit_compile) == (False, True)  # unchanged
+    model.jit_compile = False
+    model.keep_gradients = True
     model.fit(X, Y, batch_size=2, verbose=0)
     assert float(kernel(model)[0, 0]) == 15.0
+
+
+def test_a_restored_jit_compile_falls_back_with_a_warning_and_loading_compiles(tmp_path):
+    # A compile config with `jit_compile=True`, as a file made with XLA on
+    # TensorFlow or JAX holds: restoring it here must not fail.
+    plain = one_weight(keep_gradients=False)
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+    config = plain.get_compile_config()
+    assert config["jit_compile"] is True
+    model = one_weight()
+    with pytest.warns(UserWarning, match=r"compiled with `jit_compile=False` \(eager\) instead"):
+        model.compile_from_config(config)
+    assert model.compiled and model.jit_compile is False
+    rec = Recorder()
+    fit_batches(model, 2, callbacks=[rec])
+    assert rec.seen == [15.0, 7.5]
+    # `load_model` compiles a saved KeepGradModel, with its optimizer's state.
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.compiled and int(loaded.optimizer.iterations) == 2
 
 
 class _HandUpdate(kg.KeepGradModel):
