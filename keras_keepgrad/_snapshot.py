@@ -62,6 +62,12 @@ class GradientSnapshot(keras.callbacks.Callback):
 
     def __init__(self, path: str | os.PathLike, every: str | int = "epoch") -> None:
         super().__init__()
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                "`path` must be a str or os.PathLike naming an '.npz' file "
+                "(e.g. 'grads/{step:06d}.npz'). Received: "
+                f"path={path!r} of type {type(path).__name__}"
+            )
         self.path = os.fspath(path)
         self.every = _grad_stats.check_frequency("every", every, allow_batch=False)
         if not self.path.endswith(".npz"):

@@ -152,6 +152,11 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self._warned = False
 
     def set_model(self, model):
+        # Before making the log directory: a plain model gets nothing
+        # written. (`keep_gradients=False` is refused at `on_train_begin`, so
+        # that `evaluate` still takes the callback.)
+        if not hasattr(model, "get_gradients_by_path"):
+            _grad_stats.require_kept_gradients(model, "GradientTensorBoard")
         # Fail at `fit`'s start with a clear message, not from the writer.
         _grad_stats.check_writable_dir(os.path.join(self.log_dir, "train"), "log_dir", self.log_dir)
         super().set_model(model)

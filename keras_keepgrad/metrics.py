@@ -194,6 +194,14 @@ class GradientMetric(keras.metrics.Metric):
                 f"{', '.join(repr(r) for r in _REDUCTIONS)}. Received: "
                 f"reduction={reduction!r}"
             )
+        if name is not None and (not isinstance(name, str) or not name):
+            # Keras would replace an empty name with the class's snake-case
+            # name, unlike this metric's default: say so instead.
+            raise TypeError(
+                "`name` must be a non-empty string, the metric's log key, or "
+                f"None for its default. Received: name={name!r} of type "
+                f"{type(name).__name__}"
+            )
         if name is None:
             # As for Keras metrics, `name=None` means the default name.
             fn_name = getattr(fn, "__name__", None)

@@ -931,6 +931,16 @@ def test_invalid_arguments_raise_keras_style_errors(make, message):
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize("path", [None, 3])
+def test_a_snapshot_path_of_the_wrong_type_is_named(path):
+    match = (
+        r"`path` must be a str or os.PathLike naming an '.npz' file .*"
+        rf"Received: path={path} of type {type(path).__name__}"
+    )
+    with pytest.raises(TypeError, match=match):
+        callbacks.GradientSnapshot(path)
+
+
 @pytest.mark.parametrize("kind", ["tensorboard", "snapshot"])
 def test_unwritable_path_fails_before_training(tmp_path, kind):
     blocker = tmp_path / "a_file"
@@ -958,6 +968,10 @@ def test_callbacks_need_a_model_that_keeps_gradients(tmp_path):
         TypeError, match=r"GradientMonitor needs a model that keeps gradients.*Functional"
     ):
         plain.fit(x, y, verbose=0, callbacks=[callbacks.GradientMonitor()])
+    board = callbacks.GradientTensorBoard(tmp_path / "logs")
+    with pytest.raises(TypeError, match=r"GradientTensorBoard needs a model that keeps"):
+        plain.fit(x, y, verbose=0, callbacks=[board])
+    assert not (tmp_path / "logs").exists()  # no log directory for a plain model
     model = hand_model()
     model.keep_gradients = False
     with pytest.raises(ValueError, match=r"GradientSnapshot .*`keep_gradients=False`"):

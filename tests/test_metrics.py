@@ -525,3 +525,14 @@ def test_name_none_means_the_default_name(cls, expected):
     # As for Keras metrics (`keras.metrics.Mean(name=None).name == "mean"`).
     assert cls(name=None).name == expected
     assert cls.from_config({**cls().get_config(), "name": None}).name == expected
+
+
+@pytest.mark.parametrize("name", ["", 3])
+def test_a_name_that_is_no_log_key_is_named(name):
+    # Keras would turn "" into the class's snake-case name ("gradient_norm"),
+    # not this metric's default log key.
+    match = rf"`name` must be a non-empty string.*Received: name={name!r} of type"
+    with pytest.raises(TypeError, match=match):
+        kgm.GradientNorm(name=name)
+    with pytest.raises(TypeError, match=match):
+        kgm.GradientMetric(kernel_grad, name=name)
