@@ -1157,3 +1157,32 @@ def test_a_subclass_test_step_of_its_own_skips_the_gradient_metrics():
     # mean((w*x)^2) at w = 3, x = [1, 2]: d/dw = 5w = 15; val loss 9 * 2.5.
     assert history.history == {"grad_norm": [15.0], "loss": [22.5], "val_loss": [22.5]}
     assert model.evaluate(X, Y, verbose=0, return_dict=True) == {"loss": 22.5}
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class _RegisteredNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d = dense_0()
+
+    def call(self, x):
+        return self.d(x)
+
+
+def test_clone_model_and_the_options_as_documented():
+    options = dict(keep_gradients=False, save_gradients=True, keep_every=3)
+    inputs = keras.Input((1,))
+    functional = kg.KeepGradModel(inputs, dense_0()(inputs), **options)
+    # Keras rebuilds a functional model from inputs, outputs and name alone.
+    clone = keras.models.clone_model(functional)
+    assert (clone.keep_gradients, clone.save_gradients, clone.keep_every) == (True, False, 1)
+    # A wrapped (registered) subclassed model goes through `get_config`.
+    clone = keras.models.clone_model(kg.keep_gradients(_RegisteredNet(name="net"), **options))
+    assert (clone.keep_gradients, clone.save_gradients, clone.keep_every) == (False, True, 3)
+    np.testing.assert_array_equal(clone(X), [[3.0], [6.0]])
+
+    class Unregistered(_RegisteredNet):
+        pass
+
+    with pytest.raises(TypeError, match="Could not locate class 'Unregistered'"):
+        keras.models.clone_model(kg.keep_gradients(Unregistered(name="net")))
