@@ -56,7 +56,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
       gradient slice empty; this marks it).
     - `gradients/heatmap`: at each epoch end once a step was recorded
       (with an integer `update_freq`, not before that many steps; drawing
-      takes about 0.2 s, so in a `fit` of many short epochs only while that
+      takes about 0.1 s, so in a `fit` of many short epochs only while that
       stays under 2% of the training time, and always at the last epoch or
       when `fit` stops early), a figure of log10 layer norms: layers (rows, forward order, named) by
       training step, for the whole run so far, with a color bar over the
@@ -172,7 +172,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self._heatmap = _tb_panels.Heatmap()
         self._train_began = time.monotonic()
         self._heatmap_seconds = 0.0  # spent drawing it in this `fit`
-        self._heatmap_last = 0.2  # seconds the last figure took
+        self._heatmap_last = 0.2  # seconds the last figure took (a guess above it)
         self._heatmap_pending = None  # an epoch whose figure was skipped
         optimizer = self.model.optimizer
         self._loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
@@ -312,7 +312,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
     def _heatmap_due(self, epoch):
         """Whether to draw the figure at this epoch's end.
 
-        Drawing it takes about 0.2 s. In a `fit` of many short epochs it is
+        Drawing it takes about 0.1 s. In a `fit` of many short epochs it is
         drawn only while that keeps below `_HEATMAP_SHARE` of the training
         time, and always at the last epoch (or when `fit` ends early).
         """
