@@ -452,8 +452,11 @@ def _check_unconditional(step, call):
     Python values and a `for` over `range` trace no control flow (Keras
     does not convert `train_step` with AutoGraph).
     """
+    # Up from where `call` is traced to the step's graph, or to the
+    # outermost graph for a step that runs eagerly (a `tf.function` of its
+    # own can hold the condition).
     outer = step.backend_state.graph
-    graph = None if outer is None else tf.compat.v1.get_default_graph()
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     while graph is not None and graph is not outer:
         if isinstance(graph, _compat.ControlFlowFuncGraph):
             raise RuntimeError(

@@ -197,7 +197,7 @@ class GradientMetric(keras.metrics.Metric):
         if name is not None and (not isinstance(name, str) or not name):
             # Keras would replace an empty name with the class's snake-case
             # name, unlike this metric's default: say so instead.
-            raise TypeError(
+            raise (ValueError if isinstance(name, str) else TypeError)(
                 "`name` must be a non-empty string, the metric's log key, or "
                 f"None for its default. Received: name={name!r} of type "
                 f"{type(name).__name__}"
@@ -770,6 +770,18 @@ def build_gradient_metrics(model):
             metric._build_for(variables)
 
 
+def _alike(a, b):
+    """Whether two gradient metrics measure the same: one per output of a
+    multi-output model logs one value, as they measure the total loss's
+    gradients. The same `fn` object, not its serialized form (serializing
+    a lambda warns)."""
+    if type(a) is not type(b) or a.fn is not b.fn:
+        return False
+    if a.fn is not None:
+        return a.reduction == b.reduction
+    return a.get_config() == b.get_config()
+
+
 def _check_unique_keys(model):
     """Raises if two of `model`'s gradient metrics would log under one key (internal).
 
@@ -783,7 +795,7 @@ def _check_unique_keys(model):
     for metric in metrics:
         for key in metric._keys_for(paths) or ():
             other = owners.setdefault(key, metric)
-            if other is not metric:
+            if other is not metric and not _alike(other, metric):
                 raise ValueError(
                     "Two gradient metrics in `compile(metrics=...)` log under "
                     f"the same name {key!r}: "

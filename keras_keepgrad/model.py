@@ -350,6 +350,31 @@ class KeepGradModel(keras.Model):
             value = self._refuse_torch_compile(value)
         keras.Model.jit_compile.fset(self, value)
 
+    def _without_torch_compile(self, config, what):
+        """`compile` arguments made elsewhere, `jit_compile` off on PyTorch.
+
+        A file compiled with XLA on another backend, or a plain model that
+        `keep_gradients()` wraps with its compile arguments: the request
+        was not made of this model, so it falls back, saying so.
+        """
+        jit_compile = config.get("jit_compile", "auto")
+        if (
+            _compat.BACKEND == "torch"
+            and self._keep_gradients
+            and jit_compile
+            and jit_compile != "auto"
+            and not config.get("run_eagerly")
+        ):
+            warnings.warn(
+                f"{what} was compiled with `jit_compile={jit_compile!r}`, which "
+                "a `KeepGradModel` that keeps gradients does not support on "
+                "the PyTorch backend (TensorFlow and JAX do): compiled with "
+                "`jit_compile=False` (eager) instead.",
+                stacklevel=3,
+            )
+            config = dict(config, jit_compile=False)
+        return config
+
     def _refuse_torch_compile(self, value):
         """`value`; raises on PyTorch.
 
@@ -374,12 +399,15 @@ class KeepGradModel(keras.Model):
     def compile(self, *args, **kwargs):
         if _compat.BACKEND == "torch" and self._keep_gradients:
             # Refused before Keras's `compile` sets the optimizer and loss,
-            # so that a refused call leaves the model as it was.
-            bound = inspect.signature(keras.Model.compile).bind(self, *args, **kwargs)
-            jit_compile = bound.arguments.get("jit_compile", "auto")
-            if jit_compile is True:
+            # so that a refused call leaves the model as it was. Keras turns
+            # "auto" off on PyTorch, and any value off under `run_eagerly`.
+            arguments = inspect.signature(keras.Model.compile).bind(self, *args, **kwargs).arguments
+            jit_compile = arguments.get("jit_compile", "auto")
+            if jit_compile and jit_compile != "auto" and not arguments.get("run_eagerly"):
                 self._refuse_torch_compile(jit_compile)
         super().compile(*args, **kwargs)
+
+    compile.__doc__ = keras.Model.compile.__doc__
 
     def compile_from_config(self, config):
         # Keras's own skips compiling a model whose class overrides
@@ -388,22 +416,9 @@ class KeepGradModel(keras.Model):
         # Keras's behaviour (a warning, and no compile).
         if type(self).compile is not KeepGradModel.compile:
             return super().compile_from_config(config)
-        config = keras.saving.deserialize_keras_object(config)
-        if (
-            _compat.BACKEND == "torch"
-            and self._keep_gradients
-            and config.get("jit_compile") is True
-        ):
-            # A file compiled elsewhere with XLA: loading it here must not
-            # fail, so the restored option falls back, saying so.
-            warnings.warn(
-                "The loaded model was compiled with `jit_compile=True`, which "
-                "a `KeepGradModel` that keeps gradients does not support on "
-                "the PyTorch backend (TensorFlow and JAX do): compiled with "
-                "`jit_compile=False` (eager) instead.",
-                stacklevel=2,
-            )
-            config["jit_compile"] = False
+        config = self._without_torch_compile(
+            keras.saving.deserialize_keras_object(config), "The loaded model"
+        )
         self.compile(**config)
         if hasattr(self, "optimizer") and self.built:
             # As Keras: the optimizer's variables, for its loaded state.
@@ -836,7 +851,7 @@ def keep_gradients(model: keras.Model, **options: Any) -> "KeepGradModel":
         if model.compiled:
             config = _compat.compile_arguments(model)
             config["optimizer"] = model.optimizer
-            kept.compile(**config)
+            kept.compile(**kept._without_torch_compile(config, f"Model {model.name!r}"))
     return kept
 
 

@@ -362,9 +362,10 @@ class ConditionalApply(kg.KeepGradModel):
     """Applies its optimizer only on batches whose mean input exceeds 2,
     in a `tf.cond` (or, with `loop`, twice in a `tf.while_loop`)."""
 
-    def __init__(self, *args, loop=False, **kwargs):
+    def __init__(self, *args, loop=False, helper=False, **kwargs):
         super().__init__(*args, **kwargs)
         self.loop = loop
+        self.helper = helper  # the condition in a `tf.function` of its own
 
     def train_step(self, data):
         x, y = data
@@ -377,18 +378,26 @@ class ConditionalApply(kg.KeepGradModel):
             self.optimizer.apply(grads, variables)
             return tf.constant(1)
 
+        def condition():
+            return tf.cond(keras.ops.mean(x) > 2.0, apply, lambda: tf.constant(0))
+
         if self.loop:
             tf.while_loop(lambda i: i < 2, lambda i: (apply() + i,), [tf.constant(0)])
+        elif self.helper:
+            tf.function(condition)()
         else:
-            tf.cond(keras.ops.mean(x) > 2.0, apply, lambda: tf.constant(0))
+            condition()
         return {"loss": loss}
 
 
-@pytest.mark.parametrize("loop", [False, True])
-def test_an_optimizer_applied_under_traced_control_flow_is_refused(loop):
+@pytest.mark.parametrize("kind, run_eagerly", [("cond", False), ("loop", False), ("helper", True)])
+def test_an_optimizer_applied_under_traced_control_flow_is_refused(kind, run_eagerly):
+    # "helper": an eager step whose `tf.function` holds the condition.
     inputs = keras.Input((1,))
-    model = ConditionalApply(inputs, dense_0()(inputs), loop=loop)
-    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    model = ConditionalApply(
+        inputs, dense_0()(inputs), loop=kind == "loop", helper=kind == "helper"
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1), run_eagerly=run_eagerly)
     with pytest.raises(RuntimeError, match=r"`SGD.apply` was called inside a `tf.cond`"):
         model.fit(X, Y, batch_size=2, verbose=0)
     np.testing.assert_array_equal(model.get_weights()[0], [[3.0]])  # no step ran

@@ -468,6 +468,23 @@ def test_two_gradient_metrics_of_one_name_are_refused_before_training():
     assert (history["grad_norm"], history["grad_norm_max"]) == ([15.0], [15.0])
 
 
+def test_alike_gradient_metrics_of_two_outputs_log_one_value():
+    # Each output's list holds a `GradientNorm()`: both measure the total
+    # loss's gradients, so they agree and log once.
+    inputs = keras.Input((1,))
+    model = kg.KeepGradModel(
+        inputs, {"a": dense_0(name="a")(inputs), "b": dense_0(name="b", w=1.0)(inputs)}
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss={"a": "mse", "b": "mse"},
+        metrics={"a": [kgm.GradientNorm()], "b": [kgm.GradientNorm()]},
+    )
+    history = model.fit(X, {"a": Y, "b": Y}, batch_size=2, verbose=0).history
+    # Each head's gradient is its own 5w: sqrt(15^2 + 5^2).
+    assert history["grad_norm"] == [pytest.approx(np.hypot(15.0, 5.0), rel=1e-6)]
+
+
 def test_non_scalar_fn_names_the_metric():
     model = one_weight()
     metric = kgm.GradientMetric(lambda g: g["dense_0"]["kernel"], name="whole_kernel")
@@ -527,12 +544,12 @@ def test_name_none_means_the_default_name(cls, expected):
     assert cls.from_config({**cls().get_config(), "name": None}).name == expected
 
 
-@pytest.mark.parametrize("name", ["", 3])
-def test_a_name_that_is_no_log_key_is_named(name):
+@pytest.mark.parametrize("name, error", [("", ValueError), (3, TypeError)])
+def test_a_name_that_is_no_log_key_is_named(name, error):
     # Keras would turn "" into the class's snake-case name ("gradient_norm"),
     # not this metric's default log key.
     match = rf"`name` must be a non-empty string.*Received: name={name!r} of type"
-    with pytest.raises(TypeError, match=match):
+    with pytest.raises(error, match=match):
         kgm.GradientNorm(name=name)
-    with pytest.raises(TypeError, match=match):
+    with pytest.raises(error, match=match):
         kgm.GradientMetric(kernel_grad, name=name)

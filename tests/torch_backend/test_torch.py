@@ -256,6 +256,13 @@ def test_jit_compile_is_refused_naming_the_backends_that_support_it():
     with pytest.raises(ValueError, match=JIT_REFUSED):
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
     assert not model.compiled and not hasattr(model, "optimizer")  # nothing was set
+    with pytest.raises(ValueError, match=JIT_REFUSED[:-4] + "1"):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=1)
+    assert not model.compiled and not hasattr(model, "optimizer")
+    # As Keras: under `run_eagerly` it warns and turns `jit_compile` off.
+    with pytest.warns(UserWarning, match="`jit_compile` cannot also be True"):
+        model.compile(optimizer="sgd", loss="mse", run_eagerly=True, jit_compile=True)
+    assert (model.jit_compile, model.run_eagerly) == (False, True)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     with pytest.raises(ValueError, match=JIT_REFUSED):
         model.jit_compile = True
@@ -292,6 +299,12 @@ def test_a_restored_jit_compile_falls_back_with_a_warning_and_loading_compiles(t
     rec = Recorder()
     fit_batches(model, 2, callbacks=[rec])
     assert rec.seen == [15.0, 7.5]
+    # `keep_gradients()` of a plain model compiled so: the same fallback.
+    plain = one_weight(cls=keras.Model, name="plain")
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+    with pytest.warns(UserWarning, match=r"Model 'plain' was compiled with `jit_compile=True`"):
+        wrapped = kg.keep_gradients(plain)
+    assert wrapped.compiled and wrapped.jit_compile is False
     # `load_model` compiles a saved KeepGradModel, with its optimizer's state.
     path = str(tmp_path / "m.keras")
     model.save(path)
