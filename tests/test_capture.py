@@ -24,6 +24,16 @@ def kernel(model, name="dense_0"):
     return float(model.gradients[name]["kernel"][0, 0])
 
 
+def guide_metrics(model, loss, y, y_pred):
+    """The guide's loop over `model.metrics`; returns their results."""
+    for metric in model.metrics:
+        if metric.name == "loss":
+            metric.update_state(loss)
+        else:
+            metric.update_state(y, y_pred)
+    return {m.name: m.result() for m in model.metrics}
+
+
 class GuideStep(kg.KeepGradModel):
     """The first custom step of Keras's "Customizing what happens in fit()"
     guide: its own tape, `self.optimizer.apply`, the compiled loss, and a
@@ -38,12 +48,7 @@ class GuideStep(kg.KeepGradModel):
         trainable_vars = self.trainable_variables
         gradients = tape.gradient(scaled, trainable_vars)
         self.optimizer.apply(gradients, trainable_vars)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
+        return guide_metrics(self, loss, y, y_pred)
 
 
 def guide_model(cls=GuideStep, dtype=None):
@@ -80,12 +85,7 @@ class GuideSteps:
         x, y = data
         y_pred = self(x, training=False)
         loss = self.compute_loss(y=y, y_pred=y_pred)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
+        return guide_metrics(self, loss, y, y_pred)
 
 
 class MixedInSteps(GuideSteps, kg.KeepGradModel):
