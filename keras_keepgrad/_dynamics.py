@@ -511,11 +511,13 @@ class GradientSNR(_PerLayerMixin, _SmallBatches):
         var_j = sum_i (g_ij - m_j)^2 / (n - 1)
 
     so the SNR is the norm of the mean gradient over the norm of its
-    standard deviations. Above 1 the batch gradient's direction is mostly
-    signal; well below 1 it is mostly noise, and a larger batch (or a
-    smaller learning rate) helps that layer. As `E[sum_j var_j] =
-    tr(Sigma) / b` for small batches of b examples, `SNR^2` is about
-    `b / B_simple` restricted to the layer (`GradientNoiseScale`). Pooled
+    standard deviations. For small batches of b examples `E[sum_j var_j] =
+    tr(Sigma) / b` and `E|m|^2 = |G|^2 + tr(Sigma) / (n b)`, so `SNR^2` is
+    about `b / B_simple + 1 / n`, restricted to the layer
+    (`GradientNoiseScale`): pure noise reads about `1 / sqrt(n)` (0.71 for
+    2 small batches, 0.5 for 4), not 0. Well above 1 the batch gradient's
+    direction is mostly signal; near `1 / sqrt(n)` it is mostly noise, and
+    a larger batch (or a smaller learning rate) helps that layer. Pooled
     rather than averaged per entry: an entry that no example reaches has
     zero variance, and one ratio per entry would be undefined there.
 
@@ -526,6 +528,8 @@ class GradientSNR(_PerLayerMixin, _SmallBatches):
     (one value every k steps; the weights move between them, which adds
     their drift to the noise). It is `inf` where the small batches agree
     exactly, NaN for a layer with zero gradients. Needs no batch size.
+    With `reduction="mean"`, an epoch in which no window completes (fewer
+    steps than `accumulation_steps`) logs NaN.
 
     Args:
         per_layer: Bool. One value per layer (`grad_snr/<layer>`) or one

@@ -280,8 +280,11 @@ else:
 #
 # Each replica writes its own partial gradient into its own copy of the
 # slots, with no communication; reading `model.gradients` sums the copies.
-# Only a gradient metric needs the global value inside the step: then the
-# step all-reduces the gradients once (whatever the number of gradient
-# metrics). Across workers the step always all-reduces, so that every
-# worker can read its gradients alone. Under a `LossScaleOptimizer` the
+# Only a gradient metric needs the global value inside the step: it reads
+# the sums the optimizer's own update all-reduces anyway, where those are
+# the kept gradients as they are (no clipping, loss-scale division or
+# accumulation in between); otherwise the step all-reduces the kept ones
+# once, whatever the number of gradient metrics. Across workers the step
+# always all-reduces, so that every worker can read its gradients alone.
+# Under a `LossScaleOptimizer` the
 # replicas exchange one number per step to agree on skipping.
