@@ -286,5 +286,5 @@ else:
 # accumulation in between); otherwise the step all-reduces the kept ones
 # once, whatever the number of gradient metrics. Across workers the step
 # always all-reduces, so that every worker can read its gradients alone.
-# Under a `LossScaleOptimizer` the
-# replicas exchange one number per step to agree on skipping.
+# Under a `LossScaleOptimizer` the replicas exchange one number per step to
+# agree on skipping.
