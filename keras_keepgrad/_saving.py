@@ -220,10 +220,12 @@ def check_gradients_in_file(model, filepath):
             for key in group or ():
                 index, path = _parse_key(key)
                 dataset = group[key]
-                saved[index] = (
-                    path,
-                    types.SimpleNamespace(shape=dataset.shape, dtype=dataset.dtype),
-                )
+                # Keras stores bfloat16 as 2-byte opaque data ("|V2"), its
+                # dtype in an attribute.
+                dtype = dataset.attrs.get("dtype", dataset.dtype)
+                if isinstance(dtype, bytes):
+                    dtype = dtype.decode()
+                saved[index] = (path, types.SimpleNamespace(shape=dataset.shape, dtype=dtype))
     except (OSError, KeyError, zipfile.BadZipFile):
         return  # Keras's own loading reports an unreadable file.
     if saved:

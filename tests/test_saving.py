@@ -764,3 +764,25 @@ def test_state_is_one_object_per_model():
     assert model._kept_gradients is state
     assert repr(state) == "<kept gradients of model 'net'>"
     assert compiled_one_weight(name="other")._kept_gradients is not state
+
+
+@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
+def test_bfloat16_gradients_load_back_into_a_fresh_model(tmp_path, suffix):
+    # Keras writes bfloat16 arrays as 2-byte opaque data with a dtype
+    # attribute; the gradients' pre-load check reads that attribute.
+    model = one_weight(dtype="bfloat16", save_gradients=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)  # 5w = 15 at w = 3, exact in bfloat16
+    path = str(tmp_path / f"m{suffix}")
+    if suffix == ".keras":
+        model.save(path)
+    else:
+        model.save_weights(path)
+    fresh = one_weight(dtype="bfloat16", save_gradients=True)
+    fresh.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    fresh.fit(X, Y, batch_size=2, verbose=0)  # kept 15, then w = 1.5
+    fresh.fit(X, Y, batch_size=2, verbose=0)  # kept 7.5
+    fresh.load_weights(path)
+    assert fresh.gradient_dtypes == {"dense_0/kernel": tf.bfloat16}
+    assert float(fresh.gradients["dense_0"]["kernel"][0, 0]) == 15.0
+    assert float(fresh.get_weights()[0][0, 0]) == 1.5
