@@ -5,7 +5,6 @@ names what it reaches for and why no public API serves.
 """
 
 import keras
-from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
@@ -142,9 +141,11 @@ def in_symbolic_build():
 
     Keras 3.15's `Trainer._symbolic_build` calls `compute_metrics` once
     under `compute_output_spec` (a stateless, symbolic scope) to create the
-    metrics' state before training; no public API tells that apart.
+    metrics' state before training; no public API tells that apart. The
+    symbolic scope alone: Keras's JAX step runs the real metrics in a
+    stateless scope too.
     """
-    return in_symbolic_scope() or in_stateless_scope()
+    return in_symbolic_scope()
 
 
 def tf_optimizer_class():

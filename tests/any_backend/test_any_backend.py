@@ -88,6 +88,17 @@ def test_gradient_metrics(mode):
     assert history.history["twice"] == [30.0]
 
 
+@pytest.mark.parametrize("cls", [keras.Model, kg.KeepGradModel])
+def test_gradient_metrics_in_a_model_that_keeps_nothing_raise(cls):
+    # On JAX too, where Keras's step runs the metrics in a stateless scope.
+    model = one_weight(cls=cls, **({} if cls is keras.Model else {"keep_gradients": False}))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=[kg.metrics.GradientNorm()]
+    )
+    with pytest.raises(ValueError, match=r"'grad_norm'.*keeps no gradients.*KeepGradModel"):
+        model.fit(X, Y, batch_size=2, verbose=0)
+
+
 def test_gradient_metrics_over_two_steps_and_evaluation():
     model = one_weight()
     history = fit_once(model, batches=2, metrics=[kg.metrics.GradientNorm(reduction="last")])
