@@ -359,12 +359,15 @@ class GradientMetric(keras.metrics.Metric):
                 return {}
         count = tf.convert_to_tensor(self._count if self._counted is None else self._counted)
         results = {}
+        # No step counted (an `UpdateRatio` that saw no optimizer update):
+        # NaN, not a made-up 0.
+        nothing = tf.constant(float("nan"))
         for key in self._keys:
             value = tf.convert_to_tensor(self._state[key])
             if self.reduction == "mean":
-                value = tf.math.divide_no_nan(value, count)
+                value = tf.where(count > 0, tf.math.divide_no_nan(value, count), nothing)
             elif self.reduction == "max":
-                value = tf.where(count > 0, value, 0.0)
+                value = tf.where(count > 0, value, nothing)
             results[key] = value
         return results
 

@@ -158,13 +158,17 @@ def test_keep_step_gradients_without_optimizer():
             with torch.no_grad():
                 for v, g in zip(variables, grads):
                     v.assign(v.value - 0.1 * g)
-            return {"loss": loss.detach()}
+            return {"loss": loss.detach(), **self.compute_metrics(x, y, y)}
 
     inputs = keras.Input((1,))
     model = Net(inputs, dense_0()(inputs))
-    fit_once(model)
+    metrics = [kg.metrics.GradientNorm(), kg.metrics.UpdateRatio()]
+    history = fit_once(model, metrics=metrics).history
     assert float(kernel(model)[0, 0]) == 15.0
     assert float(model.get_weights()[0][0, 0]) == 1.5
+    assert history["grad_norm"] == [15.0]
+    # `UpdateRatio` sees optimizer updates only: no value, NaN, not 0.
+    assert np.isnan(history["update_ratio"][0])
 
 
 def test_loss_scale_optimizer_keeps_the_unscaled_gradient_once(monkeypatch):
