@@ -559,12 +559,16 @@ class KeepGradModel(keras.Model):
         if current != keeper.trainable_paths:
             added = sorted(set(current) - set(keeper.trainable_paths))
             removed = sorted(set(keeper.trainable_paths) - set(current))
+            # On JAX the optimizer, built for the old variables, refuses a
+            # rebuilt training function: only `compile` makes a new one.
+            alternative = (
+                "" if _compat.BACKEND == "jax" else ", or `model.make_train_function(force=True)`"
+            )
             raise RuntimeError(
                 "The kept gradients are stale: the trainable variables changed "
                 "since the training function was built (now trainable: "
                 f"{added}; no longer trainable: {removed}). Call "
-                "`model.compile(...)` again, or "
-                "`model.make_train_function(force=True)`, and train."
+                f"`model.compile(...)` again{alternative}, and train."
             )
         return self._keeper
 
