@@ -213,11 +213,15 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
         Before, at the first `fit`'s start, they are taken to be the
         trainable ones; the layout is written once they are known, so that
-        it shows no chart a step never fills.
+        it shows no chart a step never fills. A step that keeps other
+        layers than the last (an eager step whose optimizers vary) changes
+        them again: the heatmap, whose rows are the layers, starts over.
         """
         if self._norms.follow(self.model):
             self._guarded(self._scalars.flush)
             self._scalars = self._norm_writer()
+            if self._heatmap.columns:
+                self._heatmap = _tb_panels.Heatmap()
         if not self._layout_written:
             self._layout_written = True
             self._guarded(self._write_layout)

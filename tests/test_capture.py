@@ -492,6 +492,53 @@ def test_a_partly_kept_step_reaches_tensorboard_and_the_monitor(tmp_path):
     assert [c.title for c in layout.category[0].chart][2:] == ["00 head: gradient norm, log10"]
 
 
+class Alternating(kg.KeepGradModel):
+    """Eager: applies both layers on its first step, then only `a`."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((self(x) - y) ** 2)
+        variables = self.trainable_variables
+        grads = tape.gradient(loss, variables)
+        both = int(self.optimizer.iterations.numpy()) == 0
+        pick = [i for i, v in enumerate(variables) if both or v.path.startswith("a/")]
+        self.optimizer.apply([grads[i] for i in pick], [variables[i] for i in pick])
+        return {"loss": loss}
+
+
+def test_steps_that_keep_different_layers_reach_tensorboard_each_as_kept(tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator
+
+    inputs = keras.Input((1,))
+    hidden = dense_0(name="a", w=1.0)(inputs)
+    model = Alternating(inputs, dense_0(name="b")(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), run_eagerly=True)
+    board = kg.callbacks.GradientTensorBoard(str(tmp_path), update_freq=1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*to any optimizer", category=UserWarning)
+        model.fit(np.tile(X, (2, 1)), np.tile(Y, (2, 1)), batch_size=2, verbose=0,
+                  shuffle=False, callbacks=[board])  # fmt: skip
+    acc = event_accumulator.EventAccumulator(
+        str(tmp_path / "train"), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    acc.Reload()
+
+    def written(tag):
+        return [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
+
+    # loss = 2.5 a^2 b^2: d/da = 5 a b^2, d/db = 5 a^2 b. Step 1 at a = 1,
+    # b = 3: 45 and 15, both applied (a = -3.5, b = 1.5). Step 2, a only:
+    # 5 * -3.5 * 2.25 = -39.375.
+    assert written("gradients/layer_norm/a") == [(1, 45.0), (2, 39.375)]
+    assert written("gradients/layer_norm/b") == [(1, 15.0)]
+    assert written("gradients/global_norm") == [
+        (1, pytest.approx(np.hypot(45.0, 15.0), rel=1e-6)),
+        (2, 39.375),
+    ]
+    assert len(acc.Tensors("gradients/heatmap")) == 1  # drawn, of the steps since the change
+
+
 def test_a_partly_kept_step_saves_its_gradients_by_variable_position(tmp_path):
     model = head_only(save_gradients=True)
     with pytest.warns(UserWarning, match="to any optimizer"):
