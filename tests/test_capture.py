@@ -24,6 +24,15 @@ def kernel(model, name="dense_0"):
     return float(model.gradients[name]["kernel"][0, 0])
 
 
+def mse_gradients(model, x, y, variables=None):
+    """`(loss, variables, grads)`: mean((model(x) - y)^2) and its tape
+    gradients for `variables` (the trainable ones by default)."""
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x) - y) ** 2)
+    variables = model.trainable_variables if variables is None else variables
+    return loss, variables, tape.gradient(loss, variables)
+
+
 def guide_metrics(model, loss, y, y_pred):
     """The guide's loop over `model.metrics`; returns their results."""
     for metric in model.metrics:
@@ -257,10 +266,7 @@ class HandUpdate(kg.KeepGradModel):
 
     def train_step(self, data):
         x, y = data
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((self(x) - y) ** 2)
-        variables = self.trainable_variables
-        grads = tape.gradient(loss, variables)
+        loss, variables, grads = mse_gradients(self, x, y)
         if self.keep:
             grads = self.keep_step_gradients(grads, variables)
         for variable, grad in zip(variables, grads):
@@ -369,10 +375,7 @@ class ConditionalApply(kg.KeepGradModel):
 
     def train_step(self, data):
         x, y = data
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((self(x) - y) ** 2)
-        variables = self.trainable_variables
-        grads = tape.gradient(loss, variables)
+        loss, variables, grads = mse_gradients(self, x, y)
 
         def apply(*_):
             self.optimizer.apply(grads, variables)
@@ -429,10 +432,9 @@ class HeadOnly(kg.KeepGradModel):
 
     def train_step(self, data):
         x, y = data
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((self(x) - y) ** 2)
         head = [v for v in self.trainable_variables if "head" in v.path]
-        self.optimizer.apply(tape.gradient(loss, head), head)
+        loss, _, grads = mse_gradients(self, x, y, head)
+        self.optimizer.apply(grads, head)
         return {"loss": loss}
 
 
@@ -497,10 +499,7 @@ class Alternating(kg.KeepGradModel):
 
     def train_step(self, data):
         x, y = data
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((self(x) - y) ** 2)
-        variables = self.trainable_variables
-        grads = tape.gradient(loss, variables)
+        loss, variables, grads = mse_gradients(self, x, y)
         both = int(self.optimizer.iterations.numpy()) == 0
         pick = [i for i, v in enumerate(variables) if both or v.path.startswith("a/")]
         self.optimizer.apply([grads[i] for i in pick], [variables[i] for i in pick])
