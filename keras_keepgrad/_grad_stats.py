@@ -145,6 +145,7 @@ class LatestNorms:
     def __init__(self, model):
         self.norms = GradientNorms(kept_paths(model))
         self._seen = _stats.count(model)
+        self._followed = None  # the keeper's `paths` last followed
 
     def follow(self, model):
         """Takes the paths the step kept; returns whether they changed.
@@ -152,7 +153,14 @@ class LatestNorms:
         Before the training function is traced (at the first `fit`'s
         `on_train_begin`) they are not known, and taken to be the trainable
         paths; a step may keep fewer (a variable no optimizer receives).
+        Called every batch: the keeper's `paths`, set anew by each traced
+        step, are compared by identity before the paths are listed.
         """
+        keeper = getattr(model, "_keeper", None)
+        kept = None if keeper is None else keeper.paths
+        if kept and kept is self._followed:
+            return False
+        self._followed = kept
         paths = tuple(kept_paths(model))
         if paths == self.norms.paths:
             return False
