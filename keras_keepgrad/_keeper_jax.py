@@ -16,8 +16,10 @@ next to the state, and the previous slots go in as donated inputs whose
 buffers XLA reuses for them (so keeping holds one parameter-sized buffer,
 not two). Between steps the keeper holds the slots as plain arrays, outside
 the model's variables: they are never in `model.weights`, saved files or
-exports. Their shapes and dtypes come from `jax.eval_shape` of the real
-step, traced once before its first call.
+exports. Under `jit`, their shapes and dtypes come from `jax.eval_shape`
+of the real step, traced once before its first call. An eager step
+(`run_eagerly=True`, or `jit_compile=False`) donates nothing: it is not
+traced at all, and its first kept gradients become the slots.
 
 Consequence of the donation: `model.gradients` are the slot arrays
 themselves, valid until the next step that writes them starts. A reader
@@ -251,6 +253,7 @@ def make_train_function(model):
         # Each slot takes its variable's layout (replicated under
         # `DataParallel`, sharded as the variable under `ModelParallel`).
         sharding = {v.path: v.value.sharding for v in model.trainable_variables}
+    keeper.layouts = dict(sharding) if distributed else {}
     jitted = not model.run_eagerly and model.jit_compile
 
     def step_body(state, slots, data, write):
@@ -288,11 +291,13 @@ def make_train_function(model):
 
     def train_step(state, data):
         write = keeper.writes_next()
-        if keeper.slots is None or len(keeper.slots) != len(keeper.paths or ()):
-            # The first step: the slots' shapes and dtypes are those of the
-            # gradients the traced step keeps.
+        if jitted and (keeper.slots is None or len(keeper.slots) != len(keeper.paths or ())):
+            # The first jitted step donates slots, which must exist before
+            # it: their shapes and dtypes are those of the gradients the
+            # traced step keeps. An eager step donates nothing and is not
+            # traced for them (its `call`s run on arrays, as many times as
+            # in Keras): its first kept gradients become the slots.
             shapes = jax.eval_shape(functools.partial(step_body, write=True), state, None, data)[2]
-            keeper.layouts = dict(sharding) if distributed else {}
             keeper.slots = _zeros_like(shapes, [keeper.layouts.get(p) for p in keeper.paths])
         if write:
             logs, state, kept = compiled(True)(state, keeper.slots, data)

@@ -20,6 +20,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import W0
+from conftest import Recorder
 from conftest import X
 from conftest import Y
 from conftest import dense_0
@@ -153,6 +154,143 @@ def test_keep_step_gradients_without_optimizer():
     fit_once(model)
     assert float(kernel(model)[0, 0]) == 15.0
     assert float(model.get_weights()[0][0, 0]) == 1.5
+
+
+# Eager steps ------------------------------------------------------------
+
+EAGER_MODES = {"eager": dict(run_eagerly=True), "no_jit": dict(jit_compile=False)}
+
+
+class HostSideDense(keras.layers.Layer):
+    """The one-weight layer, doing host-side work in `call` once `active`.
+
+    Counts its calls; while active (from `on_train_begin`, as a TensorBoard
+    writer is), reads its input with `np.asarray`, which a tracer refuses.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = 0
+        self.active = False
+        self.seen = []
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(
+            shape=(1, 1), initializer=keras.initializers.Constant(W0), name="kernel"
+        )
+
+    def call(self, x):
+        self.calls += 1
+        if self.active:
+            self.seen.append(np.asarray(x).tolist())
+        return keras.ops.matmul(x, self.kernel)
+
+
+class Activate(keras.callbacks.Callback):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def on_train_begin(self, logs=None):
+        self.layer.active = True
+
+
+def _host_side_model(cls=kg.KeepGradModel, **options):
+    """The one-weight model on a `HostSideDense`; returns it and the layer."""
+    layer = HostSideDense(name="dense_0")
+    inputs = keras.Input((1,))
+    return cls(inputs, layer(inputs), **options), layer
+
+
+def _fit_host_side(cls, mode, **options):
+    """Fits two batches, the layer active from `on_train_begin`; returns
+    the model, its layer and the `Recorder` (None for a `keras.Model`)."""
+    model, layer = _host_side_model(cls, **options)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
+    rec = Recorder() if cls is kg.KeepGradModel else None
+    model.fit(
+        np.tile(X, (2, 1)),
+        np.tile(Y, (2, 1)),
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[Activate(layer)] + ([rec] if rec else []),
+    )
+    return model, layer, rec
+
+
+@pytest.mark.parametrize("mode", list(EAGER_MODES))
+def test_an_eager_step_calls_the_layers_as_keras_does(mode):
+    # Asked for an eager step, the layers' `call` runs on arrays, exactly as
+    # many times as in Keras: functional construction, Keras's symbolic
+    # build, then once per batch; no trace for the slots' shapes.
+    _, plain, _ = _fit_host_side(keras.Model, EAGER_MODES[mode])
+    model, layer, rec = _fit_host_side(kg.KeepGradModel, EAGER_MODES[mode])
+    assert layer.calls == plain.calls == 4
+    assert layer.seen == plain.seen == [[[1.0], [2.0]], [[1.0], [2.0]]]
+    assert rec.seen == [15.0, 7.5]
+    assert model.gradient_dtypes == {"dense_0/kernel": "float32"}
+
+
+@pytest.mark.parametrize("mode", list(EAGER_MODES))
+def test_an_eager_own_train_step_runs_once_a_batch(mode):
+    # A user's JAX step reading the loss on the host: it runs once a batch,
+    # on arrays. Grads of half the loss: the optimizer receives 2.5w.
+    class Net(kg.KeepGradModel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.losses_seen = []
+
+        def train_step(self, state, data):
+            trainable, non_trainable, optimizer_vars, metrics_vars = state
+            x, y = data
+
+            def loss_fn(trainable):
+                y_pred, _ = self.stateless_call(trainable, non_trainable, x)
+                return 0.5 * jnp.mean((y_pred - y) ** 2)
+
+            loss, grads = jax.value_and_grad(loss_fn)(trainable)
+            self.losses_seen.append(float(np.asarray(loss)))
+            trainable, optimizer_vars = self.optimizer.stateless_apply(
+                optimizer_vars, grads, trainable
+            )
+            return {"loss": loss}, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+    inputs = keras.Input((1,))
+    model = Net(inputs, dense_0()(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **EAGER_MODES[mode])
+    rec = fit_batches(model, 2)
+    # 0.5 * mean((w*x)^2) = 1.25 w^2 at w = 3, then at w = 3 - 0.1 * 7.5 = 2.25.
+    assert model.losses_seen == [11.25, 6.328125]
+    assert rec.seen == [7.5, 5.625]
+
+
+@pytest.mark.parametrize("mode", list(EAGER_MODES))
+def test_an_eager_step_keeps_every_other_and_saves(mode, tmp_path):
+    model, layer, rec = _fit_host_side(
+        kg.KeepGradModel, EAGER_MODES[mode], keep_every=2, save_gradients=True
+    )
+    # Only the first of the two steps writes the slots.
+    assert layer.calls == 4 and rec.seen == [15.0, 15.0]
+    path = str(tmp_path / "kept.weights.h5")
+    model.save_weights(path)
+    fresh, _ = _host_side_model(save_gradients=True)
+    fresh.load_weights(path)
+    assert float(kernel(fresh)[0, 0]) == 15.0
+
+
+@pytest.mark.parametrize("mode", list(EAGER_MODES))
+def test_an_eager_step_under_loss_scaling_keeps_float32(mode):
+    keras.config.set_dtype_policy("mixed_float16")
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **EAGER_MODES[mode])
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    rec = fit_batches(model, 4)
+    # As under jit (`any_backend`): three overflowing steps skipped, then 5w
+    # unscaled; the slots take the dtype the first step's optimizer received.
+    assert [np.isfinite(g) for g in rec.seen] == [False, False, False, True]
+    assert rec.seen[3] == 15.0
+    assert model.gradient_dtypes == {"dense_0/kernel": "float32"}
 
 
 def test_steps_per_execution_keeps_the_last_step():
