@@ -578,7 +578,9 @@ class KeepGradModel(keras.Model):
 
         A nested dict with the structure of
         `model.get_state_tree()["trainable_variables"]`, whose leaves are
-        dense tensors.
+        dense tensors. A functional sub-model adds no level of its own (its
+        layers' variable paths do not hold its name): `get_gradients_of`
+        picks out one sub-model's gradients.
 
         Raises:
             AttributeError: The model was built with `keep_gradients=False`.
@@ -621,8 +623,8 @@ class KeepGradModel(keras.Model):
 
         Returns:
             A flat dict `{variable path: tensor}` in `layer`'s variable
-            order, with the same keys and values as the model's own
-            `get_gradients_by_path()` for these variables.
+                order, with the same keys and values as the model's own
+                `get_gradients_by_path()` for these variables.
 
         Raises:
             TypeError: `layer` is not a Keras layer.
