@@ -578,7 +578,9 @@ class KeepGradModel(keras.Model):
 
         A nested dict with the structure of
         `model.get_state_tree()["trainable_variables"]`, whose leaves are
-        dense tensors.
+        dense tensors. A functional sub-model adds no level of its own (its
+        layers' variable paths do not hold its name): `get_gradients_of`
+        picks out one sub-model's gradients.
 
         Raises:
             AttributeError: The model was built with `keep_gradients=False`.
@@ -599,6 +601,118 @@ class KeepGradModel(keras.Model):
     def get_gradients_by_path(self):
         """The last training batch's gradients as `{variable path: tensor}`."""
         return self._checked_keeper().read()
+
+    def get_gradients_of(self, layer: keras.layers.Layer) -> dict:
+        """The last training batch's gradients of one layer or sub-model.
+
+        The kept gradients of exactly `layer`'s trainable variables (the
+        layers inside it included), as `{variable path: tensor}` like
+        `get_gradients_by_path()`. Use it to tell sub-models apart: the
+        paths of a functional sub-model's variables do not start with its
+        name (only `Sequential` and subclassed models add theirs), so
+        `model.gradients` alone does not say which sub-model a key belongs
+        to. A trainable variable of `layer` whose gradient the last step did
+        not keep (no optimizer received it) is absent, as it is from
+        `model.gradients`.
+
+        Args:
+            layer: A `keras.layers.Layer` or `keras.Model` of this model: a
+                layer or sub-model that it calls, at any depth (such as
+                `model.get_layer(name)`, or the attribute holding a
+                sub-model), or the model itself.
+
+        Returns:
+            A flat dict `{variable path: tensor}` in `layer`'s variable
+                order, with the same keys and values as the model's own
+                `get_gradients_by_path()` for these variables.
+
+        Raises:
+            TypeError: `layer` is not a Keras layer.
+            ValueError: `layer` is not a layer of this model, has no
+                trainable variables in it, or none of its gradients were
+                kept at the last training step.
+            AttributeError: The model was built with `keep_gradients=False`.
+            RuntimeError: The model was not trained yet, or its trainable
+                variables changed since the training function was built.
+
+        Examples:
+            >>> import keras, numpy as np
+            >>> import keras_keepgrad as kg
+            >>> def sub_model(name, w):
+            ...     inputs = keras.Input((1,))
+            ...     dense = keras.layers.Dense(1, use_bias=False, name=f"{name}_dense",
+            ...         kernel_initializer=keras.initializers.Constant(w))
+            ...     return keras.Model(inputs, dense(inputs), name=name)
+            >>> encoder, decoder = sub_model("encoder", 3.0), sub_model("decoder", 1.0)
+            >>> inputs = keras.Input((1,))
+            >>> model = kg.KeepGradModel(inputs, decoder(encoder(inputs)))
+            >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+            >>> history = model.fit(np.array([[1.0], [2.0]]), np.zeros((2, 1)),
+            ...                     batch_size=2, verbose=0)
+
+            Functional sub-models add no level of their own to the keys:
+
+            >>> sorted(model.gradients)
+            ['decoder_dense', 'encoder_dense']
+
+            loss = mean((d*e*x)^2), so d/de = 5 e d^2 = 15 at e = 3, d = 1:
+
+            >>> {p: float(g[0, 0]) for p, g in model.get_gradients_of(encoder).items()}
+            {'encoder_dense/kernel': 15.0}
+            >>> {p: float(g[0, 0]) for p, g in model.get_gradients_of(decoder).items()}
+            {'decoder_dense/kernel': 45.0}
+        """
+        if not isinstance(layer, keras.layers.Layer):
+            hint = (
+                f" To look a layer up by name, pass `model.get_layer({layer!r})`."
+                if isinstance(layer, str)
+                else ""
+            )
+            raise TypeError(
+                "`layer` must be a layer or sub-model of this model (a "
+                f"`keras.layers.Layer` or `keras.Model`).{hint} Received: "
+                f"layer={layer!r} of type {type(layer).__name__}"
+            )
+        # Matched by identity, not by path or name: the model's own variable
+        # objects are the kept gradients' keys.
+        own = {id(v) for v in self.variables}
+        variables = [v for v in layer.variables if id(v) in own]
+        if not variables:
+            if layer.variables:
+                raise ValueError(
+                    f"`layer` {layer.name!r} is not a layer of model "
+                    f"{self.name!r}: none of its variables are the model's. "
+                    "Pass a layer or sub-model that this model calls (one of "
+                    "`model.layers`, or a layer inside one of them), or call "
+                    "`get_gradients_of` on the model that holds it. Received: "
+                    f"layer={layer!r}"
+                )
+            raise ValueError(
+                f"`layer` {layer.name!r} has no variables, so it has no "
+                "gradients: it has no weights (such as `Flatten`), or it is "
+                "not built yet. Pass a layer or sub-model with trainable "
+                f"weights. Received: layer={layer!r}"
+            )
+        paths = {id(v): v.path for v in self.trainable_variables}
+        trainable = [paths[id(v)] for v in layer.trainable_variables if id(v) in paths]
+        if not trainable:
+            raise ValueError(
+                f"`layer` {layer.name!r} has no trainable variables in model "
+                f"{self.name!r}, so it has no kept gradients: it has no "
+                "trainable weights (such as `Dropout`), or it or a model "
+                f"holding it is frozen (`trainable=False`). Received: layer={layer!r}"
+            )
+        kept = self.get_gradients_by_path()
+        gradients = {path: kept[path] for path in trainable if path in kept}
+        if not gradients:
+            raise ValueError(
+                f"No gradient of `layer` {layer.name!r} was kept at the last "
+                "training step: no optimizer received the gradients of its "
+                f"trainable variables {trainable}. Apply an optimizer to them "
+                "in `train_step`, or pass their gradients through "
+                "`keep_step_gradients`."
+            )
+        return gradients
 
     if _compat.BACKEND == "torch":
 

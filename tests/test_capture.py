@@ -16,6 +16,7 @@ from conftest import W0
 from conftest import X
 from conftest import Y
 from conftest import dense_0
+from conftest import one_weight
 
 import keras_keepgrad as kg
 
@@ -127,6 +128,30 @@ def test_the_guides_step_under_mixed_float16_keeps_unscaled_float32():
     assert kernel(model) == 15.0
 
 
+class Holding(keras.Model):
+    """A subclassed model that calls one layer."""
+
+    def __init__(self, layer, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = layer
+
+    def call(self, x):
+        return self.inner(x)
+
+
+def sub_model(kind, layer, name):
+    """`layer` in a built sub-model `name`: "sequential", "functional" or
+    "subclassed"."""
+    if kind == "sequential":
+        return keras.Sequential([keras.Input((1,)), layer], name=name)
+    if kind == "functional":
+        inputs = keras.Input((1,))
+        return keras.Model(inputs, layer(inputs), name=name)
+    model = Holding(layer, name=name)
+    model(np.ones((1, 1), "float32"))  # builds `layer` in the model's name scope
+    return model
+
+
 class OneWeightGAN(kg.KeepGradModel):
     """The DCGAN shape on one weight each: no `call()`, `compile` of its own
     taking two optimizers, two tapes, two `apply_gradients`.
@@ -135,15 +160,11 @@ class OneWeightGAN(kg.KeepGradModel):
     z = [[1], [1]] (the data's second element, so that the step is exact).
     """
 
-    def __init__(self, penalty=0.0, **kwargs):
+    def __init__(self, penalty=0.0, kind="sequential", **kwargs):
         super().__init__(**kwargs)
         self.penalty = penalty
-        self.discriminator = keras.Sequential(
-            [keras.Input((1,)), dense_0(name="d")], name="discriminator"
-        )
-        self.generator = keras.Sequential(
-            [keras.Input((1,)), dense_0(name="g", w=2.0)], name="generator"
-        )
+        self.discriminator = sub_model(kind, dense_0(name="d"), "discriminator")
+        self.generator = sub_model(kind, dense_0(name="g", w=2.0), "generator")
 
     def compile(self, d_optimizer, g_optimizer, **kwargs):
         super().compile(**kwargs)
@@ -197,6 +218,88 @@ def test_a_gan_keeps_what_each_of_its_optimizers_receives(mode, penalty):
     assert float(gan.generator.get_weights()[0][0, 0]) == 2.0 - 0.5 * g_grad
     # One `model.gradients` for both optimizers, nothing else in it.
     assert sorted(gan.get_gradients_by_path()) == ["discriminator/d/kernel", "generator/g/kernel"]
+
+
+def key_tree(nested):
+    """`nested`'s dict structure, with None for its leaves."""
+    return {k: key_tree(v) if isinstance(v, dict) else None for k, v in nested.items()}
+
+
+@pytest.mark.parametrize("kind", ["functional", "sequential", "subclassed"])
+def test_get_gradients_of_tells_a_gans_sub_models_apart(kind):
+    gan = OneWeightGAN(kind=kind)
+    gan.compile(d_optimizer=keras.optimizers.SGD(0.03125), g_optimizer=keras.optimizers.SGD(0.5))
+    gan.fit(X, np.ones((2, 1), "float32"), batch_size=2, verbose=0)
+    # A functional sub-model's variable paths do not hold its name, so its
+    # layers are at the top level; Sequential and subclassed ones add theirs.
+    if kind == "functional":
+        expected = {"d": {"kernel": None}, "g": {"kernel": None}}
+        d_path, g_path = "d/kernel", "g/kernel"
+    else:
+        expected = {
+            "discriminator": {"d": {"kernel": None}},
+            "generator": {"g": {"kernel": None}},
+        }
+        d_path, g_path = "discriminator/d/kernel", "generator/g/kernel"
+    assert key_tree(gan.gradients) == key_tree(gan.get_state_tree()["trainable_variables"])
+    assert key_tree(gan.gradients) == expected
+    # As in the test above without the penalty: D receives 36, G 10.3125.
+    d_grads = gan.get_gradients_of(gan.discriminator)
+    g_grads = gan.get_gradients_of(gan.generator)
+    assert {p: g.numpy().tolist() for p, g in d_grads.items()} == {d_path: [[36.0]]}
+    assert {p: g.numpy().tolist() for p, g in g_grads.items()} == {g_path: [[10.3125]]}
+    # A layer inside a sub-model, and the model itself.
+    d_layer = gan.discriminator.layers[-1]
+    assert list(gan.get_gradients_of(d_layer)) == [d_path]
+    assert {p: float(g[0, 0]) for p, g in gan.get_gradients_of(gan).items()} == {
+        d_path: 36.0,
+        g_path: 10.3125,
+    }
+
+
+def test_get_gradients_of_a_wrapped_models_layer():
+    plain = sub_model("subclassed", dense_0(), "plain")
+    kept = kg.keep_gradients(plain)
+    kept.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    kept.fit(X, Y, batch_size=2, verbose=0)
+    for layer in (plain.inner, plain, kept):
+        assert {p: float(g[0, 0]) for p, g in kept.get_gradients_of(layer).items()} == {
+            "plain/dense_0/kernel": 15.0
+        }
+
+
+def test_get_gradients_of_refuses_what_it_cannot_answer():
+    model = head_only()
+    with pytest.warns(UserWarning, match="to any optimizer"):
+        model.fit(X, Y, batch_size=2, verbose=0)
+    assert {
+        p: float(g[0, 0]) for p, g in model.get_gradients_of(model.get_layer("head")).items()
+    } == {"head/kernel": 15.0}
+    with pytest.raises(
+        TypeError, match=r"pass `model.get_layer\('head'\)`. Received: layer='head'"
+    ):
+        model.get_gradients_of("head")
+    with pytest.raises(
+        ValueError, match=r"`layer` 'other' is not a layer of model .*none of its variables"
+    ):
+        model.get_gradients_of(one_weight(layer="other").layers[-1])
+    with pytest.raises(ValueError, match=r"'unbuilt' has no variables.*not built yet"):
+        model.get_gradients_of(dense_0(name="unbuilt"))
+    with pytest.raises(
+        ValueError, match=r"No gradient of `layer` 'body' was kept.*\['body/kernel'\]"
+    ):
+        model.get_gradients_of(model.get_layer("body"))
+
+    inputs = keras.Input((1,))
+    frozen = dense_0(name="frozen")
+    frozen.trainable = False
+    dropout = keras.layers.Dropout(0.5, name="dropout")  # its seed is a variable
+    model = kg.KeepGradModel(inputs, dense_0()(dropout(frozen(inputs))))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
+    for layer in (frozen, dropout):
+        with pytest.raises(ValueError, match=rf"{layer.name!r} has no trainable variables in"):
+            model.get_gradients_of(layer)
 
 
 def test_a_gans_gradients_reach_the_callbacks_and_agree_with_a_tape(tmp_path):

@@ -29,6 +29,7 @@ SIGNATURES = {
     ),
     kg.keep_gradients: "(model, **options)",
     kg.KeepGradModel.keep_step_gradients: "(self, grads, variables)",
+    kg.KeepGradModel.get_gradients_of: "(self, layer)",
     kg.metrics.GradientMetric: "(fn, name=None, reduction='mean', **kwargs)",
     kg.metrics.GradientNorm: "(per_layer=False, name='grad_norm', reduction='mean', **kwargs)",
     kg.metrics.GradientMaxAbs: "(name='grad_max_abs', reduction='max', **kwargs)",
@@ -98,6 +99,7 @@ def test_the_model_members_and_base_classes():
     for name in ("gradients", "gradient_dtypes", "keep_gradients", "save_gradients", "keep_every"):
         assert name in dir(kg.KeepGradModel), name
     assert callable(kg.KeepGradModel.get_gradients_by_path)
+    assert callable(kg.KeepGradModel.get_gradients_of)
     assert callable(kg.KeepGradModel.keep_step_gradients)
     assert issubclass(kg.callbacks.GradientTensorBoard, keras.callbacks.TensorBoard)
     for name in ("GradientMonitor", "GradientSnapshot"):

@@ -69,6 +69,101 @@ def test_a_wrapped_subclassed_model_is_trained_and_kept():
     assert float(plain.get_weights()[0][0, 0]) == 1.5
 
 
+def functional(name, layer, w):
+    """A functional sub-model `name` of one bias-free Dense(1) `layer` = w."""
+    inputs = keras.Input((1,))
+    dense = keras.layers.Dense(
+        1, use_bias=False, kernel_initializer=keras.initializers.Constant(w), name=layer
+    )
+    return keras.Model(inputs, dense(inputs), name=name)
+
+
+class TwoSubModels(kg.KeepGradModel):
+    """D(G(x)) with two functional sub-models, each with its own optimizer."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.generator = functional("generator", "g", 3.0)
+        self.discriminator = functional("discriminator", "d", 1.0)
+        self.g_optimizer = keras.optimizers.SGD(0.1)
+        self.d_optimizer = keras.optimizers.SGD(0.0625)
+
+    def call(self, x):
+        return self.discriminator(self.generator(x))
+
+    def pairs(self):
+        return [(self.g_optimizer, self.generator), (self.d_optimizer, self.discriminator)]
+
+
+if keras.backend.backend() == "jax":
+
+    class TwoOptimizers(TwoSubModels):
+        def train_step(self, state, data):
+            import jax
+            import jax.numpy as jnp
+
+            trainable, non_trainable, optimizer_vars, metrics_vars = state
+            x, y = data
+
+            def loss_fn(trainable):
+                y_pred, _ = self.stateless_call(trainable, non_trainable, x)
+                return jnp.mean((y_pred - y) ** 2)
+
+            loss, grads = jax.value_and_grad(loss_fn)(trainable)
+            trainable = list(trainable)
+            position = {id(v): i for i, v in enumerate(self.trainable_variables)}
+            # SGD without momentum: no optimizer state to thread through.
+            for optimizer, sub in self.pairs():
+                at = [position[id(v)] for v in sub.trainable_variables]
+                values, _ = optimizer.stateless_apply(
+                    [v.value for v in optimizer.variables],
+                    [grads[i] for i in at],
+                    [trainable[i] for i in at],
+                )
+                for i, value in zip(at, values):
+                    trainable[i] = value
+            return {"loss": loss}, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+else:
+    import torch
+
+    class TwoOptimizers(TwoSubModels):
+        def train_step(self, data):
+            x, y = data
+            self.zero_grad()
+            loss = torch.mean((self(x) - y) ** 2)
+            loss.backward()
+            with torch.no_grad():
+                for optimizer, sub in self.pairs():
+                    variables = sub.trainable_variables
+                    optimizer.apply([v.value.grad for v in variables], variables)
+            return {"loss": loss.detach()}
+
+
+def test_get_gradients_of_two_functional_sub_models():
+    gan = TwoOptimizers(name="gan")
+    gan(X)
+    for optimizer, sub in gan.pairs():
+        optimizer.build(sub.trainable_variables)
+    gan.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    gan.fit(X, Y, batch_size=2, verbose=0)
+    # Functional sub-models add no level: their layers are at the top level,
+    # as in Keras's own state tree.
+    state = gan.get_state_tree()["trainable_variables"]
+    assert {k: list(v) for k, v in gan.gradients.items()} == {"g": ["kernel"], "d": ["kernel"]}
+    assert {k: list(v) for k, v in state.items()} == {"g": ["kernel"], "d": ["kernel"]}
+    # loss = mean((d g x)^2): d/dg = 5 g d^2 = 15, d/dd = 5 d g^2 = 45.
+    g_grads = gan.get_gradients_of(gan.generator)
+    d_grads = gan.get_gradients_of(gan.discriminator)
+    assert {p: float(g[0, 0]) for p, g in g_grads.items()} == {"g/kernel": 15.0}
+    assert {p: float(g[0, 0]) for p, g in d_grads.items()} == {"d/kernel": 45.0}
+    # Each optimizer applied its own: 3 - 0.1 * 15 and 1 - 45 / 16.
+    assert float(gan.generator.get_weights()[0][0, 0]) == 1.5
+    assert float(gan.discriminator.get_weights()[0][0, 0]) == -1.8125
+    with pytest.raises(ValueError, match="'other' is not a layer of model 'gan'"):
+        gan.get_gradients_of(functional("other", "o", 1.0))
+
+
 def test_gradient_metrics(mode):
     model = one_weight()
     metrics = [
