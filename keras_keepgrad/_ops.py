@@ -63,6 +63,12 @@ class _TensorFlowSubset:
         return ops.convert_to_tensor(value, dtype=dtype)
 
     @staticmethod
+    def identity(t):
+        # A new tensor, as `tf.identity` reads a variable's value: PyTorch
+        # variables change their tensor in place.
+        return ops.copy(t)
+
+    @staticmethod
     def where(condition, x, y):
         return ops.where(condition, x, y)
 

@@ -348,7 +348,8 @@ class GradientMetric(keras.metrics.Metric):
         """The reduced values as `{log key: float32 scalar}`.
 
         Returns `{}` when there is nothing to report: in evaluation, and
-        while no training step was seen since the last reset.
+        while no training step was seen since the last reset. The values
+        are new tensors, which later updates and resets leave unchanged.
         """
         if not self._keys:
             return {}
@@ -363,7 +364,10 @@ class GradientMetric(keras.metrics.Metric):
         # NaN, not a made-up 0.
         nothing = tf.constant(float("nan"))
         for key in self._keys:
-            value = tf.convert_to_tensor(self._state[key])
+            # A copy, never the variable's own tensor: Keras's PyTorch
+            # trainer holds the epoch's results through validation, which
+            # resets the variables in place.
+            value = tf.identity(tf.convert_to_tensor(self._state[key]))
             if self.reduction == "mean":
                 value = tf.where(count > 0, tf.math.divide_no_nan(value, count), nothing)
             elif self.reduction == "max":

@@ -130,12 +130,18 @@ def test_bad_arguments(make, error, match):
 # --- hand-computed values, one device ---------------------------------------
 
 
-def fit_one_weight(metrics, x, epochs=1, batch_size=1, mode=None):
+def fit_one_weight(metrics, x, epochs=1, batch_size=1, mode=None, **fit_kwargs):
     model = one_weight()
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", metrics=metrics, **(mode or {}))
     x = np.asarray(x, "float32").reshape(-1, 1)
     history = model.fit(
-        x, np.zeros_like(x), batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0
+        x,
+        np.zeros_like(x),
+        batch_size=batch_size,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        **fit_kwargs,
     )
     return model, history.history
 
@@ -148,6 +154,26 @@ def test_noise_scale_and_snr_over_a_window_of_two_steps(mode):
     assert history["grad_noise_scale/trace_cov"] == [162.0]
     assert history["grad_noise_scale"] == [1.125]
     assert history["grad_snr/dense_0"] == [pytest.approx(5 / (3 * math.sqrt(2)), rel=1e-6)]
+
+
+def test_sum_and_last_survive_validation(mode):
+    # Validation resets the metrics after the epoch's values were taken.
+    # g = 6, 24, 6, 24: each cosine from step 2 on is 1; a noise scale of
+    # 1.125 from step 2 on (windows of two); the SNR of the last window.
+    metrics = [
+        kgm.GradientCosine(name="cos_sum", reduction="sum"),
+        kgm.GradientCosine(name="cos_last", reduction="last"),
+        kgm.GradientNoiseScale(accumulation_steps=2, smoothing=0.0, name="gns", reduction="sum"),
+        kgm.GradientSNR(accumulation_steps=2, per_layer=False, name="snr", reduction="last"),
+    ]
+    _, history = fit_one_weight(
+        metrics, [1, 2, 1, 2], mode=mode, validation_data=(np.ones((1, 1)), np.zeros((1, 1)))
+    )
+    assert history["cos_sum"] == [3.0]
+    assert history["cos_last"] == [1.0]
+    assert history["gns"] == [pytest.approx(3 * 1.125, rel=1e-6)]
+    assert history["snr"] == [pytest.approx(5 / (3 * math.sqrt(2)), rel=1e-6)]
+    assert history["val_loss"] == [9.0]
 
 
 def test_noise_scale_smooths_the_estimates_and_debiases():

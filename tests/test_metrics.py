@@ -168,6 +168,45 @@ def test_reductions_over_a_three_step_epoch(steps_per_execution):
     assert history["max"] == [15.0]
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_reduction_survives_validation(mode):
+    # Validation resets the metrics after the epoch's values were taken.
+    # Two steps see w = 3, 1.5: gradients 15, 7.5, update ratios 1/2, 1/2.
+    history = fit(
+        one_weight(),
+        [
+            *(kgm.GradientNorm(name=r, reduction=r) for r in ("sum", "last", "mean", "max")),
+            kgm.GradientNorm(per_layer=True, name="layers", reduction="sum"),
+            kgm.UpdateRatio(reduction="sum"),
+            kgm.GradientMetric(kernel_grad, reduction="last"),
+        ],
+        x=X3[:4],
+        y=Y3[:4],
+        validation_data=(X, Y),
+        compile_kwargs=MODES[mode],
+    )
+    assert history["sum"] == [22.5]
+    assert history["last"] == [7.5]
+    assert history["mean"] == [11.25]
+    assert history["max"] == [15.0]
+    assert history["layers/dense_0"] == [22.5]
+    assert history["update_ratio"] == [1.0]
+    assert history["kernel_grad"] == [7.5]
+    assert history["val_loss"] == [1.40625]  # w = 0.75: mean((0.75 x)^2)
+
+
+def test_non_finite_gradients_count_nan_steps_with_validation():
+    # NaN inputs: every step's gradient is NaN.
+    history = fit(
+        one_weight(),
+        [kgm.NonFiniteGradients()],
+        x=np.full((6, 1), np.nan, "float32"),
+        y=np.zeros((6, 1), "float32"),
+        validation_data=(X, Y),
+    )
+    assert history["grad_nonfinite"] == [3.0]
+
+
 def test_per_layer_keys_and_values():
     history = fit(
         chain(),

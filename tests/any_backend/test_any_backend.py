@@ -201,6 +201,66 @@ def test_gradient_metrics_over_two_steps_and_evaluation():
     assert "grad_norm" not in model.evaluate(X, Y, verbose=0, return_dict=True)
 
 
+def _epoch_with_validation(model, metrics, x, y, **compile_kwargs):
+    """Fits one epoch of `x`, `y` in batches of two with `X`, `Y` as
+    validation data; returns the `History`'s dict."""
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=metrics, **compile_kwargs
+    )
+    return model.fit(x, y, batch_size=2, shuffle=False, verbose=0, validation_data=(X, Y)).history
+
+
+def test_every_reduction_survives_validation(mode):
+    # Validation resets the metrics after the epoch's values were taken:
+    # those must be copies. Two steps see w = 3, 1.5: gradients 15, 7.5,
+    # update ratios 1/2, 1/2.
+    metrics = [
+        *(kg.metrics.GradientNorm(name=r, reduction=r) for r in ("sum", "last", "mean", "max")),
+        kg.metrics.GradientNorm(per_layer=True, name="layers", reduction="sum"),
+        kg.metrics.GradientMaxAbs(reduction="last"),
+        kg.metrics.UpdateRatio(reduction="sum"),
+        kg.metrics.VanishingGradients(threshold=10.0, reduction="sum"),  # only 7.5 < 10
+        kg.metrics.GradientMetric(
+            lambda g: g["dense_0"]["kernel"][0, 0], name="k", reduction="last"
+        ),
+    ]
+    expected = {
+        "sum": 22.5,
+        "last": 7.5,
+        "mean": 11.25,
+        "max": 15.0,
+        "layers/dense_0": 22.5,
+        "grad_max_abs": 7.5,
+        "update_ratio": 1.0,
+        "grad_vanishing": 1.0,
+        "k": 7.5,
+    }
+    model = one_weight()
+    history = _epoch_with_validation(model, metrics, np.tile(X, (2, 1)), np.tile(Y, (2, 1)), **mode)
+    assert {k: history[k] for k in expected} == {k: [v] for k, v in expected.items()}
+    assert history["val_loss"] == [1.40625]  # w = 0.75: mean((0.75 x)^2)
+    # A reset leaves the results already taken. One more step, at w = 0.75:
+    # gradient 3.75, update ratio 1/2.
+    model.train_on_batch(X, Y)
+    results = {k: v for m in metrics for k, v in m.result().items()}
+    for m in metrics:
+        m.reset_state()
+    assert {k: float(v) for k, v in results.items()} == {
+        **dict.fromkeys(expected, 3.75),
+        "update_ratio": 0.5,
+        "grad_vanishing": 1.0,
+    }
+
+
+def test_non_finite_gradients_count_nan_steps_with_validation():
+    # NaN inputs: every step's gradient is NaN.
+    nan = np.full((6, 1), np.nan, "float32")
+    history = _epoch_with_validation(
+        one_weight(), [kg.metrics.NonFiniteGradients()], nan, np.zeros((6, 1), "float32")
+    )
+    assert history["grad_nonfinite"] == [3.0]
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision_is_unscaled(policy):
     keras.config.set_dtype_policy(policy)
