@@ -68,6 +68,7 @@ __all__ = [
     "functional_init_arguments",
     "functional_structure",
     "in_symbolic_build",
+    "replace_metric_variable",
 ]
 
 
@@ -156,3 +157,15 @@ def tf_optimizer_class():
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
     return TFOptimizer
+
+
+def replace_metric_variable(metric, old, new):
+    """Puts `new`, made by `metric.add_variable`, in `old`'s place.
+
+    Keras 3.15 lists a metric's variables (`metric.variables`, in the order
+    of the `stateless_*` methods' arguments and of saved files) in the
+    store of its private `_tracker`, which `add_variable` appends to; no
+    public API removes or replaces one.
+    """
+    metric._tracker.untrack(new)
+    metric._tracker.replace_tracked_value("variables", old, new)

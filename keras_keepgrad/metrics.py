@@ -234,7 +234,11 @@ class GradientMetric(keras.metrics.Metric):
         return (self.name,)
 
     def _build_for(self, variables):
-        """Creates the state for training these variables, before tracing."""
+        """Creates the state for training these variables, before tracing.
+
+        Called in the scope of the model's `tf.distribute` strategy.
+        """
+        self._follow_strategy()
         self._build_state(self._keys_for([v.path for v in variables]))
 
     def _step_values(self, grads):
@@ -282,6 +286,39 @@ class GradientMetric(keras.metrics.Metric):
                     aggregation="mean",
                     name=f"value_{len(self._state)}",
                 )
+
+    def _follow_strategy(self):
+        """Remakes, in the current `tf.distribute` strategy's scope, the
+        state variables made outside it (by a metric made outside it).
+
+        In the scope every replica adds the same global value to its own
+        copy, and reading averages the copies (`aggregation="mean"`). Every
+        replica adds to one variable made outside: it would hold the sums
+        and counts once per replica, beside the per-layer values made in
+        the scope that hold them once. (Keras's own metrics read the same
+        either way: each replica adds its share, and `aggregation="sum"`
+        totals the copies.)
+        """
+        if _compat.BACKEND != "tensorflow" or not tf.distribute.has_strategy():
+            return
+        extended = tf.distribute.get_strategy().extended
+
+        def in_scope(variable):
+            if variable is None or extended.variable_created_in_scope(variable.value):
+                return variable
+            remade = self.add_variable(
+                shape=variable.shape,
+                initializer=keras.initializers.Constant(variable.numpy()),
+                aggregation=variable.aggregation,
+                name=variable.name,
+            )
+            _compat.replace_metric_variable(self, variable, remade)
+            return remade
+
+        self._count = in_scope(self._count)
+        self._counted = in_scope(self._counted)
+        for key, variable in self._state.items():
+            self._state[key] = in_scope(variable)
 
     def reset_state(self):
         self._count.assign(0.0)

@@ -87,6 +87,12 @@ def mirrored():
 
 
 @pytest.fixture(scope="module")
+def mirrored_metrics():
+    """Gradient metrics made outside the MirroredStrategy's scope, on 2 logical CPUs."""
+    return _result(_python("_metrics_outside_scenarios", devices=2))
+
+
+@pytest.fixture(scope="module")
 def workers():
     """Two `MultiWorkerMirroredStrategy` workers on 127.0.0.1, one CPU each."""
     hosts = [f"127.0.0.1:{port}" for port in free_ports(2)]
@@ -237,6 +243,7 @@ def test_mixed_float16_skips_consistently_and_matches_one_device(mirrored):
     # The non-finite count aggregates over replicas: at scale 16384 replica
     # 0 alone is finite, and still the step counts, on every replica.
     assert two["grad_nonfinite"] == one["grad_nonfinite"] == [1.0, 2.0, 3.0, 3.0]
+    assert two["epoch_grad_nonfinite"] == 3.0
     # Upstream Keras 3.15 decides from replica 0 alone: at scale 16384 it
     # applies replica 1's overflow and the weight is lost.
     assert plain["scales"][:2] == [32768.0, 16384.0]
@@ -252,6 +259,62 @@ def test_keep_gradients_outside_the_scope_trains_under_the_models_strategy(mirro
     assert r["same_strategy"] is True
     assert r["gradients"] == [[15.0]]  # 5w at w = 3, the global batch
     assert r["weight"] == 1.5 and r["loss"] == [22.5]
+
+
+def test_gradient_metrics_made_outside_the_scope_read_as_made_inside(mirrored_metrics):
+    r = _ok(mirrored_metrics, "every_metric")
+    inside, outside = r["inside"], r["outside"]
+    # Two steps: w = 3 keeps 5w = 15, then w = 1.5 keeps 7.5 (w -> 0.75).
+    assert inside["weight"] == outside["weight"] == 0.75
+    # The same numbers, per batch and per epoch, wherever they were made
+    # (made outside, the sums and per-layer values read 2x or 1/2x).
+    np.testing.assert_equal(outside, inside)
+    snr = 5 / (3 * 2**0.5)
+    expected = {
+        "loss": 14.0625,  # mean(22.5, 5.625)
+        "mae": 3.375,  # mean(4.5, 2.25): Keras's own
+        "grad_norm": 11.25,  # mean(15, 7.5)
+        "norm_layer/dense_0": 11.25,
+        "norm_sum": 22.5,
+        "norm_layer_last/dense_0": 7.5,
+        "grad_max_abs": 22.5,  # sum
+        # Threshold 10: step 2's norm 7.5 is below it, step 1's 15 is not.
+        "grad_vanishing": 1.0,  # sum
+        # |w_after - w_before| / |w_before|: 1.5 / 3, then 0.75 / 1.5.
+        "update_ratio/dense_0": 0.5,
+        "ratio_sum": 1.0,
+        # Each replica's batch (one example) is a small batch: its gradient
+        # of mean((w x)^2) is 2w x^2, 2w and 8w; the big batch's is 5w.
+        # |G|^2 ~ 2 * 25w^2 - mean(4w^2, 64w^2) = 16w^2 and
+        # tr(Sigma) ~ 2 * (34w^2 - 25w^2) = 18w^2: B_simple = 18/16 a step.
+        "grad_noise_scale": 2.25,  # sum
+        "grad_noise_scale/trace_cov": 18 * (9 + 2.25),
+        "grad_noise_scale/grad_sq": 16 * (9 + 2.25),
+        # |mean| / std of (2w, 8w): 5w / sqrt(2 * (3w)^2), every step.
+        "grad_snr/dense_0": snr,
+        # Step 2's gradient has step 1's direction; step 1 has no previous.
+        "grad_cosine/dense_0": 1.0,
+        "cosine_sum": 1.0,
+    }
+    assert inside["epoch"].keys() == expected.keys()
+    for key, value in expected.items():
+        assert inside["epoch"][key] == pytest.approx(value, rel=1e-6), key
+    # After step 1 (w = 3), as the progress bar shows them.
+    first = inside["batches"][0]
+    assert first["norm_layer/dense_0"] == first["norm_sum"] == 15.0
+    assert first["update_ratio/dense_0"] == 0.5
+    assert first["grad_snr/dense_0"] == pytest.approx(snr, rel=1e-6)
+    assert np.isnan(first["grad_cosine/dense_0"])
+
+
+def test_nonfinite_count_made_outside_the_scope(mirrored_metrics):
+    # The mixed_float16 run of `test_mixed_float16_skips_consistently...`
+    # with `NonFiniteGradients` made outside the scope: the same count of
+    # skipped steps (the first three), not twice it.
+    r = _ok(mirrored_metrics, "nonfinite")
+    assert r["grad_nonfinite"] == [1.0, 2.0, 3.0, 3.0]
+    assert r["epoch_grad_nonfinite"] == 3.0
+    assert r["weights"] == [3.0, 3.0, 3.0, 1.5]
 
 
 def test_jit_compile_falls_back_with_a_warning(mirrored):
@@ -321,21 +384,33 @@ def _scenario(results, name, fn, *args):
         results[name] = {"error": traceback.format_exc()}
 
 
-def _one_weight_model(cls, strategy, metrics=None, options=None, **compile_kwargs):
+def _one_weight_model(
+    cls, strategy, metrics=None, options=None, metrics_outside=False, **compile_kwargs
+):
     """The suite's one-weight model, built and compiled under `strategy`.
 
-    `metrics` names the `kg.metrics` classes to compile with; they are made
-    in the scope, as any Keras metric must be (their variables are created
-    with them). By default a `KeepGradModel` gets `GradientNorm`.
+    `metrics` names the `kg.metrics` classes to compile with, or is a
+    function that returns the metrics. They are made in the scope (their
+    variables are created with them), or before entering it with
+    `metrics_outside=True`. By default a `KeepGradModel` gets `GradientNorm`.
     """
+    import contextlib
+
     import keras
 
     import keras_keepgrad as kg
 
     if metrics is None:
         metrics = ["GradientNorm"] if issubclass(cls, kg.KeepGradModel) else []
+    if not callable(metrics):
+        names = metrics
+
+        def metrics():
+            return [getattr(kg.metrics, name)() for name in names]
+
+    with contextlib.nullcontext() if metrics_outside else strategy.scope():
+        metrics = metrics()
     with strategy.scope():
-        metrics = [getattr(kg.metrics, name)() for name in metrics]
         inputs = keras.Input((1,))
         layer = keras.layers.Dense(
             1, use_bias=False, kernel_initializer=keras.initializers.Constant(3.0), name="dense_0"
@@ -528,14 +603,19 @@ def _scenario_reference(strategy, optimizer):
     return {"replicas": strategy.num_replicas_in_sync, "one_device": one, "mirrored": two}
 
 
-def _mixed_run(cls, strategy):
+def _mixed_run(cls, strategy, metrics_outside=False):
     import keras
     import tensorflow as tf
 
     kept = cls is not keras.Model
     keras.config.set_dtype_policy("mixed_float16")
     try:
-        model = _one_weight_model(cls, strategy, metrics=["NonFiniteGradients"] if kept else [])
+        model = _one_weight_model(
+            cls,
+            strategy,
+            metrics=["NonFiniteGradients"] if kept else [],
+            metrics_outside=metrics_outside,
+        )
     finally:
         keras.config.set_dtype_policy("float32")
 
@@ -559,12 +639,13 @@ def _mixed_run(cls, strategy):
                 self.nonfinite.append(float(logs["grad_nonfinite"]))
 
     track = Track()
-    _fit(model, _dataset(X, Y, batch_size=2, repeat=4), callbacks=[track])
+    history = _fit(model, _dataset(X, Y, batch_size=2, repeat=4), callbacks=[track])
     out = {"scales": track.scales, "weights": track.weights}
     if kept:
         out.update(
             kept=track.kept,
             grad_nonfinite=track.nonfinite,
+            epoch_grad_nonfinite=history.history["grad_nonfinite"][0],
             dtype=tf.as_dtype(model.gradient_dtypes["dense_0/kernel"]).name,
         )
     return out
@@ -625,6 +706,61 @@ def _scenario_wrapped_outside_the_scope(strategy):
         "weight": _weight(plain),
         "loss": history.history["loss"],
     }
+
+
+def _every_gradient_metric():
+    """Every gradient metric, global and per layer, in reductions that add
+    up (sum, mean) and that pick (last)."""
+    import keras_keepgrad as kg
+
+    m = kg.metrics
+    return [
+        "mae",
+        m.GradientNorm(),
+        m.GradientNorm(per_layer=True, name="norm_layer"),
+        m.GradientNorm(reduction="sum", name="norm_sum"),
+        m.GradientNorm(per_layer=True, reduction="last", name="norm_layer_last"),
+        m.GradientMaxAbs(reduction="sum"),
+        m.VanishingGradients(threshold=10.0, reduction="sum"),
+        m.UpdateRatio(per_layer=True),
+        m.UpdateRatio(reduction="sum", name="ratio_sum"),
+        m.GradientNoiseScale(smoothing=0.0, components=True, reduction="sum"),
+        m.GradientSNR(),
+        m.GradientCosine(per_layer=True),
+        m.GradientCosine(reduction="sum", name="cosine_sum"),
+    ]
+
+
+def _scenario_every_metric(strategy):
+    import keras_keepgrad as kg
+
+    results = {}
+    for where, outside in (("inside", False), ("outside", True)):
+        model = _one_weight_model(
+            kg.KeepGradModel, strategy, metrics=_every_gradient_metric, metrics_outside=outside
+        )
+        recorder = _recorder(lambda m: None)
+        history = _fit(model, _dataset(X, Y, batch_size=2, repeat=2), callbacks=[recorder])
+        results[where] = {
+            "epoch": {k: float(v[0]) for k, v in history.history.items()},
+            "batches": [{k: float(v) for k, v in logs.items()} for logs in recorder.logs],
+            "weight": _weight(model),
+        }
+    return results
+
+
+def _metrics_outside_scenarios():
+    import keras
+    import tensorflow as tf
+
+    import keras_keepgrad as kg
+
+    keras.config.disable_traceback_filtering()
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    results = {}
+    _scenario(results, "every_metric", _scenario_every_metric, strategy)
+    _scenario(results, "nonfinite", _mixed_run, kg.KeepGradModel, strategy, True)
+    return results
 
 
 def _mirrored_scenarios():
