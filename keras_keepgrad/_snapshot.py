@@ -90,18 +90,22 @@ class GradientSnapshot(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         _grad_stats.require_kept_gradients(self.model, "GradientSnapshot")
-        self._paths = _grad_stats.trainable_paths(self.model)
-        clashes = sorted(set(self._paths) & set(_RESERVED_KEYS))
+        if self.model.built:
+            # Fail before the first step where the variables exist already.
+            self._check_paths(_grad_stats.trainable_paths(self.model))
+        directory = os.path.dirname(os.path.abspath(self.path.format(step=0, epoch=1)))
+        _grad_stats.check_writable_dir(directory, "path", self.path)
+        self._steps.begin_train()
+        self._new.begin(self.model)
+
+    def _check_paths(self, paths):
+        clashes = sorted(set(paths) & set(_RESERVED_KEYS))
         if clashes:
             raise ValueError(
                 f"GradientSnapshot stores {list(_RESERVED_KEYS)} beside the "
                 f"variable paths, but the model has variables named {clashes}. "
                 "Rename them."
             )
-        directory = os.path.dirname(os.path.abspath(self.path.format(step=0, epoch=1)))
-        _grad_stats.check_writable_dir(directory, "path", self.path)
-        self._steps.begin_train()
-        self._new.begin(self.model)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._steps.begin_epoch(epoch)
@@ -117,8 +121,13 @@ class GradientSnapshot(keras.callbacks.Callback):
             self._write()
 
     def _write(self):
-        if not self._paths:
+        # Read at each write, not at `on_train_begin`: a model built by its
+        # first batch has no variables before it, and a step may keep other
+        # variables than the last.
+        paths = _grad_stats.kept_paths(self.model)
+        if not paths:
             return
+        self._check_paths(paths)
         step = self._new.step_of(self.model, self._steps.step)
         if step is None:
             return  # `keep_every`: nothing kept since the last file

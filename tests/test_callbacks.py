@@ -19,6 +19,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import MODES
+from conftest import LateBuilt
 from conftest import Recorder
 from conftest import free_ports
 from tensorboard.backend.event_processing import event_accumulator
@@ -821,6 +823,46 @@ def test_keep_every_labels_across_executions_and_fits(tmp_path):
     # 1's step 4, which is not this fit's and is skipped; after its step 4,
     # global step 7, its step 3.
     assert fit("second") == [("3.npz", 3, 0.234375)]
+
+
+@pytest.mark.parametrize("own_step", [False, True], ids=["keras_step", "own_step"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_callbacks_of_a_model_built_by_its_first_batch(tmp_path, mode, own_step):
+    # 5w = 15, then w = 3 - 0.1 * 15 = 1.5 and 5w = 7.5.
+    model = LateBuilt(own_step=own_step, name="net")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **MODES[mode])
+    snapshot = callbacks.GradientSnapshot(tmp_path / "g_{step}.npz", every=1)
+    board = callbacks.GradientTensorBoard(tmp_path / "logs", update_freq=1)
+    monitor = callbacks.GradientMonitor(exploding_threshold=10.0)
+    x, y = hand_data(2)
+    # (`pytest.warns` would re-raise Keras's TensorBoard deprecation warnings.)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(
+            x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[snapshot, board, monitor]
+        )
+    assert [str(w.message)[:56] for w in caught if w.category is UserWarning] == [
+        "GradientMonitor: Step 1: exploding gradients: global nor"
+    ]
+    assert snapshot.files == [str(tmp_path / "g_1.npz"), str(tmp_path / "g_2.npz")]
+    found = []
+    for filename in snapshot.files:
+        with np.load(filename) as data:
+            assert sorted(data.files) == ["epoch", "loss_scale", "net/dense_0/kernel", "step"]
+            found.append(
+                (
+                    int(data["step"]),
+                    int(data["epoch"]),
+                    float(data["loss_scale"]),
+                    data["net/dense_0/kernel"].tolist(),
+                )
+            )
+    assert found == [(1, 1, 1.0, [[15.0]]), (2, 1, 1.0, [[7.5]])]
+    acc = read_run(str(tmp_path / "logs" / "train"))
+    assert scalars(acc, "gradients/layer_norm/net/dense_0") == [(1, 15.0), (2, 7.5)]
+    assert [(e["kind"], e["step"], e["layers"]) for e in monitor.events] == [
+        ("exploding", 1, ["net/dense_0"])
+    ]
 
 
 def test_snapshot_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
