@@ -292,3 +292,40 @@ def test_snapshot_of_a_model_built_by_its_first_batch(tmp_path, own_step):
             )
     assert found == [(1, 1, [[15.0]]), (2, 1, [[7.5]])]
     assert monitor.events == []
+
+
+@pytest.mark.parametrize(
+    "own_step",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                keras.backend.backend() == "jax", reason="its JAX step updates no metrics"
+            ),
+        ),
+    ],
+    ids=["keras_step", "own_step"],
+)
+def test_metrics_of_a_model_built_by_its_first_batch(own_step):
+    # w = 3 -> 1.5 with SGD(0.1): update ratio 1.5 / 3.
+    model = LateBuilt(own_step=own_step, name="net")
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss="mse",
+        metrics=[kg.metrics.UpdateRatio(), kg.metrics.GradientNorm(per_layer=True)],
+    )
+    history = model.fit(X, Y, batch_size=2, verbose=0).history
+    assert history["update_ratio"] == [0.5]
+    assert history["grad_norm/net/dense_0"] == [15.0]
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss="mse",
+        metrics=[
+            kg.metrics.GradientNorm(per_layer=True),
+            kg.metrics.GradientNorm(per_layer=True, reduction="max"),
+        ],
+    )
+    with pytest.raises(ValueError, match="same name 'grad_norm/net/dense_0'"):
+        model.fit(X, Y, batch_size=2, verbose=0)
+    assert model.dense.kernel.numpy().tolist() == [[1.5]]  # checked before the update
