@@ -889,6 +889,46 @@ def test_snapshot_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["latest.npz"]
 
 
+def test_snapshot_removes_only_its_own_stale_temporaries(tmp_path):
+    # A process killed mid-write leaves `.<file name>.<12 hex>.tmp`; the
+    # next `fit` removes those of the files it would write, nothing else.
+    stale = [".g_042.npz.0123456789ab.tmp", ".g_7.npz.fedcba987654.tmp"]
+    kept = [
+        ".other.tmp",
+        "g_1.npz",
+        "notes.txt",
+        ".g_042.npz.0123456789ab.tmp.bak",  # not a temporary's name
+        ".g_x.npz.0123456789ab.tmp",  # not a step
+        ".h_042.npz.0123456789ab.tmp",  # another file's
+        ".g_042.npz.0123456789a.tmp",  # 11 hex digits
+        "g_042.npz.0123456789ab.tmp",  # not hidden
+    ]
+    for name in stale + kept:
+        (tmp_path / name).write_text(name)
+    # With `{epoch}` in the directory: each epoch's directory that exists.
+    (tmp_path / "e1").mkdir()
+    (tmp_path / "e1" / ".g.npz.00000000abcd.tmp").write_text("stale")
+    (tmp_path / "e1" / "g.npz").write_text("an earlier file")
+    model = hand_model()
+    x, y = hand_data(1)
+    steps = callbacks.GradientSnapshot(tmp_path / "g_{step:03d}.npz", every=1)
+    epochs = callbacks.GradientSnapshot(tmp_path / "e{epoch}" / "g.npz", every="epoch")
+    fit_begins = []
+
+    class AtBegin(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            fit_begins.append(sorted(os.listdir(tmp_path)))
+
+    model.fit(x, y, batch_size=2, verbose=0, callbacks=[steps, epochs, AtBegin()])
+    assert fit_begins == [sorted(kept + ["e1"])]  # gone before the first step
+    assert sorted(os.listdir(tmp_path)) == sorted(kept + ["e1", "g_001.npz"])
+    for name in kept:
+        assert (tmp_path / name).read_text() == name
+    assert os.listdir(tmp_path / "e1") == ["g.npz"]
+    with np.load(tmp_path / "g_001.npz") as data:
+        assert data["dense_0/kernel"].tolist() == [[15.0]]
+
+
 # Bad input -----------------------------------------------------------------
 
 
