@@ -58,9 +58,6 @@ class Step:
         variables: `{variable path: variable}`, likewise.
         reduced: Whether `grads` are already the global-batch gradients
             (always, but on some replicas of a `tf.distribute` strategy).
-        expects_gradients: Whether the model has trainable variables, so
-            that a step with nothing kept is a mistake rather than a model
-            with nothing to train.
     """
 
     def __init__(self, model, keeper):
@@ -69,9 +66,30 @@ class Step:
         self.grads = {}
         self.variables = {}
         self.reduced = True
-        self.expects_gradients = bool(model.trainable_variables)
         self.applying = False
         self.backend_state = None
+        self._updating = False
+
+    @property
+    def expects_gradients(self):
+        """Whether the model has trainable variables, so that a step with
+        nothing kept is a mistake rather than a model with nothing to train.
+
+        Read when asked, not as the step begins: a model built by its first
+        batch has no variables before that batch's forward pass.
+        """
+        return bool(self.model.trainable_variables)
+
+    def before_update(self):
+        """Called before each update the step keeps; the first one lets the
+        model finish what needed its variables (`_before_first_update`).
+
+        By then the forward pass has built the model, and nothing was
+        updated yet.
+        """
+        if not self._updating:
+            self._updating = True
+            self.model._before_first_update()
 
     def add(self, variables, grads, reduced):
         """Records one `apply`'s kept gradients."""
@@ -316,6 +334,7 @@ def _capturing(apply):
             return apply(optimizer, grads, trainable_variables)
         if not grads:
             return apply(optimizer, grads, trainable_variables)
+        step.before_update()
 
         def run(grads):
             step.applying = True
@@ -339,6 +358,7 @@ def _capturing_stateless(stateless_apply):
         if step is None or step.applying or not optimizer.built or not grads:
             return stateless_apply(optimizer, optimizer_variables, grads, trainable_variables)
         grads, values = list(grads), list(trainable_variables)
+        step.before_update()
 
         def run(grads):
             step.applying = True

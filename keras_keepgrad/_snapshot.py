@@ -3,7 +3,10 @@
 Conventions for steps and layers: see `keras_keepgrad.callbacks`.
 """
 
+import glob
 import os
+import re
+import string
 import uuid
 import warnings
 
@@ -15,6 +18,10 @@ from keras_keepgrad import _grad_stats
 __all__ = ["GradientSnapshot"]
 
 _RESERVED_KEYS = ("step", "epoch", "loss_scale")
+
+# `_atomic_savez`'s temporary: `.<file name>.<12 hex digits>.tmp`.
+_TEMPORARY = ".{name}.{tag}.tmp"
+_TAG_LENGTH = 12
 
 
 class GradientSnapshot(keras.callbacks.Callback):
@@ -31,7 +38,10 @@ class GradientSnapshot(keras.callbacks.Callback):
     gradients are already unscaled).
 
     A file is never half-written: it is written to a temporary file in the
-    same directory, then renamed over the target. Without `{step}` or
+    same directory, then renamed over the target; the temporaries that a
+    process killed mid-write left behind (`.<file name>.<12 hex
+    digits>.tmp`, for the files `path` names) are removed at the start of
+    the next `fit`. Without `{step}` or
     `{epoch}` in `path`, each snapshot replaces the previous one. A write
     that fails during `fit` is warned about and training goes on.
 
@@ -90,18 +100,23 @@ class GradientSnapshot(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         _grad_stats.require_kept_gradients(self.model, "GradientSnapshot")
-        self._paths = _grad_stats.trainable_paths(self.model)
-        clashes = sorted(set(self._paths) & set(_RESERVED_KEYS))
+        if self.model.built:
+            # Fail before the first step where the variables exist already.
+            self._check_paths(_grad_stats.trainable_paths(self.model))
+        directory = os.path.dirname(os.path.abspath(self.path.format(step=0, epoch=1)))
+        _grad_stats.check_writable_dir(directory, "path", self.path)
+        _remove_stale_temporaries(self.path)
+        self._steps.begin_train()
+        self._new.begin(self.model)
+
+    def _check_paths(self, paths):
+        clashes = sorted(set(paths) & set(_RESERVED_KEYS))
         if clashes:
             raise ValueError(
                 f"GradientSnapshot stores {list(_RESERVED_KEYS)} beside the "
                 f"variable paths, but the model has variables named {clashes}. "
                 "Rename them."
             )
-        directory = os.path.dirname(os.path.abspath(self.path.format(step=0, epoch=1)))
-        _grad_stats.check_writable_dir(directory, "path", self.path)
-        self._steps.begin_train()
-        self._new.begin(self.model)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._steps.begin_epoch(epoch)
@@ -117,8 +132,13 @@ class GradientSnapshot(keras.callbacks.Callback):
             self._write()
 
     def _write(self):
-        if not self._paths:
+        # Read at each write, not at `on_train_begin`: a model built by its
+        # first batch has no variables before it, and a step may keep other
+        # variables than the last.
+        paths = _grad_stats.kept_paths(self.model)
+        if not paths:
             return
+        self._check_paths(paths)
         step = self._new.step_of(self.model, self._steps.step)
         if step is None:
             return  # `keep_every`: nothing kept since the last file
@@ -145,9 +165,8 @@ def _atomic_savez(filename, arrays):
     """`np.savez` to a temporary file beside `filename`, then rename."""
     directory = os.path.dirname(os.path.abspath(filename))
     os.makedirs(directory, exist_ok=True)
-    temporary = os.path.join(
-        directory, f".{os.path.basename(filename)}.{uuid.uuid4().hex[:12]}.tmp"
-    )
+    name = _TEMPORARY.format(name=os.path.basename(filename), tag=uuid.uuid4().hex[:_TAG_LENGTH])
+    temporary = os.path.join(directory, name)
     # `os.open` with 0o666 (not `mkstemp`'s 0o600): the final file gets the
     # permissions a plain `np.savez` would give it.
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -163,3 +182,48 @@ def _atomic_savez(filename, arrays):
         except OSError:
             pass
         raise
+
+
+def _field_pattern(spec):
+    """A regex for what an int formatted with `spec` can look like."""
+    if spec[-1:] in ("", "d", "n") or spec[-1:].isdigit():
+        # Padded with spaces or zeros, signed, with thousands separators.
+        return r"[ +\-]?[ 0-9,_]*[0-9]"
+    return r".+?"  # another base or fill: any non-empty text
+
+
+def _remove_stale_temporaries(path):
+    """Removes what `_atomic_savez` left behind writing `path`'s files.
+
+    A process killed while writing leaves its temporary: a hidden file
+    named `_TEMPORARY` after a file name that `path` formats to. Only those
+    are removed, in the directories `path`'s files go to; what cannot be
+    removed stays.
+    """
+    directory, basename = os.path.split(os.path.abspath(path))
+    if "://" in directory:
+        return
+    parts = []
+    for literal, field, spec, _ in string.Formatter().parse(basename):
+        parts.append(re.escape(literal))
+        if field is not None:
+            parts.append(_field_pattern(spec or ""))
+    pattern = re.compile(re.escape(".") + "".join(parts) + rf"\.[0-9a-f]{{{_TAG_LENGTH}}}\.tmp")
+    # A directory holding `{epoch}` or `{step}`: each one that exists.
+    directories = glob.glob(
+        "".join(
+            glob.escape(literal) + ("" if field is None else "*")
+            for literal, field, _, _ in string.Formatter().parse(directory)
+        )
+    )
+    for found in directories:
+        try:
+            names = os.listdir(found)
+        except OSError:
+            continue
+        for name in names:
+            if pattern.fullmatch(name):
+                try:
+                    os.remove(os.path.join(found, name))
+                except OSError:
+                    pass

@@ -436,12 +436,33 @@ class KeepGradModel(keras.Model):
             # traced, from what its optimizers receive.
             self._keeper = self._new_keeper()
             metrics_lib.build_gradient_metrics(self)
+            self._metrics_built_for = self._trainable_paths()
             if _compat.BACKEND == "jax":
                 return _keeper.make_train_function(self)
             if _compat.BACKEND == "torch":
                 # `UpdateRatio` compares each update's before and after.
                 self._keeper.record_updates = metrics_lib._measures_updates(self)
         return super().make_train_function(force=force)
+
+    def _trainable_paths(self):
+        return tuple(v.path for v in self.trainable_variables)
+
+    def _before_first_update(self):
+        """Before a training step's first update: the model is built now.
+
+        A model built by its first batch (a subclass without `Input`, on
+        TensorFlow) had no variables when `make_train_function` checked and
+        built the gradient metrics: per-layer keys were unknown, and
+        `UpdateRatio` had no copy of the weights before the update. Done
+        again here, before anything is updated.
+        """
+        built_for = getattr(self, "_metrics_built_for", None)
+        if built_for is None:
+            return
+        self._metrics_built_for = None  # once per training function
+        if built_for != self._trainable_paths():
+            metrics_lib._check_unique_keys(self)
+            metrics_lib.build_gradient_metrics(self)
 
     def keep_step_gradients(self, grads: list, variables: list) -> list:
         """Keeps gradients that a training step applies without an optimizer.
@@ -502,6 +523,7 @@ class KeepGradModel(keras.Model):
                 f"Received: {len(grads)} gradients for {len(variables)} "
                 "variables."
             )
+        step.before_update()
         return step.keeper.keep_given(step, variables, grads)
 
     # Whoever wrote `train_step`, it runs as a step whose optimizers'

@@ -76,6 +76,84 @@ def kernel(model):
     return model.gradients["dense_0"]["kernel"]
 
 
+class LateBuilt(kg.KeepGradModel):
+    """The one-weight model, subclassed without an `Input`: on TensorFlow
+    it is built by its first batch, after `on_train_begin` (JAX and PyTorch
+    build it before). `own_step` trains it with a `train_step` of its own
+    (mse, `optimizer.apply`), written for the backend; on TensorFlow and
+    PyTorch it updates the compiled metrics after `apply`, or before it
+    with `metrics_first` (a mistake)."""
+
+    def __init__(self, own_step=False, metrics_first=False, **kwargs):
+        super().__init__(**kwargs)
+        self.own_step = own_step
+        self.metrics_first = metrics_first
+        self.dense = keras.layers.Dense(
+            1,
+            use_bias=False,
+            kernel_initializer=keras.initializers.Constant(3.0),
+            name="dense_0",
+        )
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, *args):
+        if not self.own_step:
+            return super().train_step(*args)
+        backend = keras.backend.backend()
+        if backend == "jax":
+            return self._jax_step(*args)
+        if backend == "torch":
+            return self._torch_step(*args)
+        return self._tf_step(*args)
+
+    def _tf_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x)
+            loss = tf.reduce_mean((y_pred - y) ** 2)
+        variables = self.trainable_variables
+        grads = tape.gradient(loss, variables)
+        return self._apply_and_measure(grads, variables, x, y, y_pred, loss)
+
+    def _apply_and_measure(self, grads, variables, x, y, y_pred, loss):
+        if self.metrics_first:
+            self.compute_metrics(x, y, y_pred)
+        self.optimizer.apply(grads, variables)
+        return {**self.compute_metrics(x, y, y_pred), "loss": loss}
+
+    def _jax_step(self, state, data):
+        import jax
+        import jax.numpy as jnp
+
+        trainable, non_trainable, optimizer_vars, metrics_vars = state
+        x, y = data
+
+        def loss_fn(trainable):
+            y_pred, _ = self.stateless_call(trainable, non_trainable, x)
+            return jnp.mean((y_pred - y) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(trainable)
+        trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+        return {"loss": loss}, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+    def _torch_step(self, data):
+        import torch
+
+        x, y = data
+        self.zero_grad()
+        y_pred = self(x)
+        loss = torch.mean((y_pred - y) ** 2)
+        loss.backward()
+        variables = self.trainable_weights
+        grads = [v.value.grad for v in variables]
+        with torch.no_grad():
+            return self._apply_and_measure(grads, variables, x, y, y_pred, loss.detach())
+
+
 class Recorder(keras.callbacks.Callback):
     """Records the kept gradients after each training batch.
 

@@ -19,6 +19,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import MODES
+from conftest import LateBuilt
 from conftest import Recorder
 from conftest import free_ports
 from tensorboard.backend.event_processing import event_accumulator
@@ -823,6 +825,46 @@ def test_keep_every_labels_across_executions_and_fits(tmp_path):
     assert fit("second") == [("3.npz", 3, 0.234375)]
 
 
+@pytest.mark.parametrize("own_step", [False, True], ids=["keras_step", "own_step"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_callbacks_of_a_model_built_by_its_first_batch(tmp_path, mode, own_step):
+    # 5w = 15, then w = 3 - 0.1 * 15 = 1.5 and 5w = 7.5.
+    model = LateBuilt(own_step=own_step, name="net")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **MODES[mode])
+    snapshot = callbacks.GradientSnapshot(tmp_path / "g_{step}.npz", every=1)
+    board = callbacks.GradientTensorBoard(tmp_path / "logs", update_freq=1)
+    monitor = callbacks.GradientMonitor(exploding_threshold=10.0)
+    x, y = hand_data(2)
+    # (`pytest.warns` would re-raise Keras's TensorBoard deprecation warnings.)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(
+            x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[snapshot, board, monitor]
+        )
+    assert [str(w.message)[:56] for w in caught if w.category is UserWarning] == [
+        "GradientMonitor: Step 1: exploding gradients: global nor"
+    ]
+    assert snapshot.files == [str(tmp_path / "g_1.npz"), str(tmp_path / "g_2.npz")]
+    found = []
+    for filename in snapshot.files:
+        with np.load(filename) as data:
+            assert sorted(data.files) == ["epoch", "loss_scale", "net/dense_0/kernel", "step"]
+            found.append(
+                (
+                    int(data["step"]),
+                    int(data["epoch"]),
+                    float(data["loss_scale"]),
+                    data["net/dense_0/kernel"].tolist(),
+                )
+            )
+    assert found == [(1, 1, 1.0, [[15.0]]), (2, 1, 1.0, [[7.5]])]
+    acc = read_run(str(tmp_path / "logs" / "train"))
+    assert scalars(acc, "gradients/layer_norm/net/dense_0") == [(1, 15.0), (2, 7.5)]
+    assert [(e["kind"], e["step"], e["layers"]) for e in monitor.events] == [
+        ("exploding", 1, ["net/dense_0"])
+    ]
+
+
 def test_snapshot_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
     model = hand_model()
     x, y = hand_data(2)
@@ -845,6 +887,46 @@ def test_snapshot_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
     with np.load(target) as data:  # still the whole first snapshot
         assert int(data["step"]) == 1 and float(data["dense_0/kernel"][0, 0]) == 15.0
     assert os.listdir(tmp_path) == ["latest.npz"]
+
+
+def test_snapshot_removes_only_its_own_stale_temporaries(tmp_path):
+    # A process killed mid-write leaves `.<file name>.<12 hex>.tmp`; the
+    # next `fit` removes those of the files it would write, nothing else.
+    stale = [".g_042.npz.0123456789ab.tmp", ".g_7.npz.fedcba987654.tmp"]
+    kept = [
+        ".other.tmp",
+        "g_1.npz",
+        "notes.txt",
+        ".g_042.npz.0123456789ab.tmp.bak",  # not a temporary's name
+        ".g_x.npz.0123456789ab.tmp",  # not a step
+        ".h_042.npz.0123456789ab.tmp",  # another file's
+        ".g_042.npz.0123456789a.tmp",  # 11 hex digits
+        "g_042.npz.0123456789ab.tmp",  # not hidden
+    ]
+    for name in stale + kept:
+        (tmp_path / name).write_text(name)
+    # With `{epoch}` in the directory: each epoch's directory that exists.
+    (tmp_path / "e1").mkdir()
+    (tmp_path / "e1" / ".g.npz.00000000abcd.tmp").write_text("stale")
+    (tmp_path / "e1" / "g.npz").write_text("an earlier file")
+    model = hand_model()
+    x, y = hand_data(1)
+    steps = callbacks.GradientSnapshot(tmp_path / "g_{step:03d}.npz", every=1)
+    epochs = callbacks.GradientSnapshot(tmp_path / "e{epoch}" / "g.npz", every="epoch")
+    fit_begins = []
+
+    class AtBegin(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            fit_begins.append(sorted(os.listdir(tmp_path)))
+
+    model.fit(x, y, batch_size=2, verbose=0, callbacks=[steps, epochs, AtBegin()])
+    assert fit_begins == [sorted(kept + ["e1"])]  # gone before the first step
+    assert sorted(os.listdir(tmp_path)) == sorted(kept + ["e1", "g_001.npz"])
+    for name in kept:
+        assert (tmp_path / name).read_text() == name
+    assert os.listdir(tmp_path / "e1") == ["g.npz"]
+    with np.load(tmp_path / "g_001.npz") as data:
+        assert data["dense_0/kernel"].tolist() == [[15.0]]
 
 
 # Bad input -----------------------------------------------------------------

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from conftest import MODES
 from conftest import W0
+from conftest import LateBuilt
 from conftest import X
 from conftest import Y
 from conftest import dense_0
@@ -505,6 +506,34 @@ def test_two_gradient_metrics_of_one_name_are_refused_before_training():
     )
     history = model.fit(X, Y, batch_size=2, verbose=0).history
     assert (history["grad_norm"], history["grad_norm_max"]) == ([15.0], [15.0])
+
+
+@pytest.mark.parametrize("own_step", [False, True], ids=["keras_step", "own_step"])
+def test_metrics_of_a_model_built_by_its_first_batch(mode, own_step):
+    # Built by its first batch, after `make_train_function` built the
+    # metrics: UpdateRatio still compares with the weights from before the
+    # first update (w = 3 -> 1.5: 1.5 / 3), and the per-layer keys are known.
+    model = LateBuilt(own_step=own_step, name="net")
+    history = fit(model, [kgm.UpdateRatio(), kgm.GradientNorm(per_layer=True)], compile_kwargs=mode)
+    assert history["update_ratio"] == [0.5]
+    assert history["grad_norm/net/dense_0"] == [15.0]
+
+
+@pytest.mark.parametrize("own_step", [False, True], ids=["keras_step", "own_step"])
+def test_per_layer_keys_of_a_model_built_by_its_first_batch_are_checked(mode, own_step):
+    model = LateBuilt(own_step=own_step, name="net")
+    metrics = [kgm.GradientNorm(per_layer=True), kgm.GradientNorm(per_layer=True, reduction="max")]
+    with pytest.raises(ValueError, match="same name 'grad_norm/net/dense_0'"):
+        fit(model, metrics, compile_kwargs=mode)
+    assert model.dense.kernel.numpy().tolist() == [[3.0]]  # checked before the update
+
+
+def test_a_metric_updated_before_the_update_raises_in_a_model_built_by_its_first_batch(mode):
+    # Its trainable variables are read when the metric asks, not as the
+    # step begins (before its forward pass built them).
+    model = LateBuilt(own_step=True, metrics_first=True, name="net")
+    with pytest.raises(ValueError, match="before any optimizer received gradients"):
+        fit(model, [kgm.GradientNorm()], compile_kwargs=mode)
 
 
 def test_alike_gradient_metrics_of_two_outputs_log_one_value():

@@ -14,6 +14,7 @@ import h5py
 import keras
 import numpy as np
 import pytest
+from conftest import LateBuilt
 from conftest import X
 from conftest import Y
 from conftest import fit_batches
@@ -425,3 +426,61 @@ def test_callbacks_read_every_step(tmp_path, dtype):
 def test_training_dynamics_metrics_raise_naming_tensorflow(name):
     with pytest.raises(NotImplementedError, match="runs on the TensorFlow backend only"):
         getattr(kg.metrics, name)()
+
+
+@pytest.mark.parametrize("own_step", [False, True], ids=["keras_step", "own_step"])
+def test_snapshot_of_a_model_built_by_its_first_batch(tmp_path, own_step):
+    # 5w = 15, then w = 3 - 0.1 * 15 = 1.5 and 5w = 7.5.
+    model = LateBuilt(own_step=own_step, name="net")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    snapshot = kg.callbacks.GradientSnapshot(str(tmp_path / "g_{step}.npz"), every=1)
+    monitor = kg.callbacks.GradientMonitor(check_freq=1)
+    model.fit(np.tile(X, (2, 1)), np.tile(Y, (2, 1)), batch_size=2, shuffle=False, verbose=0,
+              callbacks=[snapshot, monitor])  # fmt: skip
+    assert snapshot.files == [str(tmp_path / "g_1.npz"), str(tmp_path / "g_2.npz")]
+    found = []
+    for filename in snapshot.files:
+        with np.load(filename) as data:
+            assert sorted(data.files) == ["epoch", "loss_scale", "net/dense_0/kernel", "step"]
+            found.append(
+                (int(data["step"]), int(data["epoch"]), data["net/dense_0/kernel"].tolist())
+            )
+    assert found == [(1, 1, [[15.0]]), (2, 1, [[7.5]])]
+    assert monitor.events == []
+
+
+@pytest.mark.parametrize(
+    "own_step",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                keras.backend.backend() == "jax", reason="its JAX step updates no metrics"
+            ),
+        ),
+    ],
+    ids=["keras_step", "own_step"],
+)
+def test_metrics_of_a_model_built_by_its_first_batch(own_step):
+    # w = 3 -> 1.5 with SGD(0.1): update ratio 1.5 / 3.
+    model = LateBuilt(own_step=own_step, name="net")
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss="mse",
+        metrics=[kg.metrics.UpdateRatio(), kg.metrics.GradientNorm(per_layer=True)],
+    )
+    history = model.fit(X, Y, batch_size=2, verbose=0).history
+    assert history["update_ratio"] == [0.5]
+    assert history["grad_norm/net/dense_0"] == [15.0]
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss="mse",
+        metrics=[
+            kg.metrics.GradientNorm(per_layer=True),
+            kg.metrics.GradientNorm(per_layer=True, reduction="max"),
+        ],
+    )
+    with pytest.raises(ValueError, match="same name 'grad_norm/net/dense_0'"):
+        model.fit(X, Y, batch_size=2, verbose=0)
+    assert model.dense.kernel.numpy().tolist() == [[1.5]]  # checked before the update
