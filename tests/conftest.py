@@ -80,9 +80,9 @@ class LateBuilt(kg.KeepGradModel):
     """The one-weight model, subclassed without an `Input`: on TensorFlow
     it is built by its first batch, after `on_train_begin` (JAX and PyTorch
     build it before). `own_step` trains it with a `train_step` of its own
-    (mse, `optimizer.apply`), written for the backend; on TensorFlow and
-    PyTorch it updates the compiled metrics after `apply`, or before it
-    with `metrics_first` (a mistake)."""
+    (mse, `optimizer.apply`), written for the backend; it updates the
+    compiled metrics after `apply`, or before it with `metrics_first` (a
+    mistake)."""
 
     def __init__(self, own_step=False, metrics_first=False, **kwargs):
         super().__init__(**kwargs)
@@ -134,11 +134,22 @@ class LateBuilt(kg.KeepGradModel):
 
         def loss_fn(trainable):
             y_pred, _ = self.stateless_call(trainable, non_trainable, x)
-            return jnp.mean((y_pred - y) ** 2)
+            return jnp.mean((y_pred - y) ** 2), y_pred
 
-        loss, grads = jax.value_and_grad(loss_fn)(trainable)
+        (loss, y_pred), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+        if self.metrics_first:
+            metrics_vars = self._jax_metrics(metrics_vars, x, y, y_pred)[1]
         trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
-        return {"loss": loss}, (trainable, non_trainable, optimizer_vars, metrics_vars)
+        logs, metrics_vars = self._jax_metrics(metrics_vars, x, y, y_pred)
+        return {**logs, "loss": loss}, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+    def _jax_metrics(self, metrics_vars, x, y, y_pred):
+        # As Keras's JAX step: the metrics update in a stateless scope.
+        mapping = list(zip(self.metrics_variables, metrics_vars))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            logs = self.compute_metrics(x, y, y_pred)
+        new = [scope.get_current_value(v) for v in self.metrics_variables]
+        return logs, [old if n is None else n for n, old in zip(new, metrics_vars)]
 
     def _torch_step(self, data):
         import torch

@@ -449,19 +449,7 @@ def test_snapshot_of_a_model_built_by_its_first_batch(tmp_path, own_step):
     assert monitor.events == []
 
 
-@pytest.mark.parametrize(
-    "own_step",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.skipif(
-                keras.backend.backend() == "jax", reason="its JAX step updates no metrics"
-            ),
-        ),
-    ],
-    ids=["keras_step", "own_step"],
-)
+@pytest.mark.parametrize("own_step", [False, True], ids=["keras_step", "own_step"])
 def test_metrics_of_a_model_built_by_its_first_batch(own_step):
     # w = 3 -> 1.5 with SGD(0.1): update ratio 1.5 / 3.
     model = LateBuilt(own_step=own_step, name="net")
