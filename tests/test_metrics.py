@@ -558,6 +558,19 @@ def test_a_gradient_metric_error_comes_before_anything_changes(case, mode, tmp_p
     assert keras.models.load_model(tmp_path / "model.keras").get_weights()[0][0, 0] == W0
 
 
+EAGER = dict(run_eagerly=True)
+
+
+def test_an_eager_step_that_fails_puts_update_ratios_copies_back():
+    # UpdateRatio copies w (3 -> 1.5) before the failing metric raises: the
+    # copy goes back with w, so the next step's ratio is |1.5 - 3| / 3.
+    model = one_weight()
+    ratio = kgm.UpdateRatio()
+    with pytest.raises(ZeroDivisionError):
+        fit(model, [ratio, kgm.GradientMetric(failing)], compile_kwargs=EAGER)
+    assert fit(model, [ratio], compile_kwargs=EAGER)["update_ratio"] == [0.5]
+
+
 @pytest.mark.parametrize(
     "make, error, match",
     [
