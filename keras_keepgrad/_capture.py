@@ -113,6 +113,7 @@ class Keeper:
             TensorFlow, traced) step.
         trainable_paths: The model's trainable variable paths at that step
             (the kept gradients are stale once they change).
+        ran_a_step: Whether a step (run or traced) ran to its end.
     """
 
     def __init__(self, every=1):
@@ -121,6 +122,7 @@ class Keeper:
         self.trainable_paths = None
         self._serial = next(_KEEPER_SERIALS)  # tells keepers apart in `last_write`
         self._warned_missing = False
+        self.ran_a_step = False
 
     @property
     def built(self):
@@ -287,6 +289,7 @@ def training_step(model, keeper):
         keeper.begin_step(step)
         yield step
         keeper.end_step(step)
+        keeper.ran_a_step = True
     finally:
         _local.step = previous
 

@@ -344,7 +344,8 @@ def check_writable_dir(directory, name, value):
 
 
 def require_kept_gradients(model, who):
-    """Raises unless `model` keeps gradients (before training starts)."""
+    """Raises unless `model` keeps gradients that its training function
+    keeps up to date (before training starts)."""
     if not hasattr(model, "get_gradients_by_path"):
         raise TypeError(
             f"{who} needs a model that keeps gradients. Received: a model of "
@@ -358,6 +359,13 @@ def require_kept_gradients(model, who):
             "built with `keep_gradients=False`. Set "
             "`model.keep_gradients = True` before `fit`."
         )
+    # A training function kept from before a layer was frozen or unfrozen
+    # keeps the old set (TensorFlow) or refuses to run (JAX): say so now,
+    # not after its first step. A PyTorch step follows the change.
+    if keras.backend.backend() != "torch" and model.train_function is not None:
+        stale = model._stale_message()
+        if stale is not None:
+            raise RuntimeError(f"{who} cannot read the kept gradients. {stale}")
 
 
 def loss_scale_of(optimizer):

@@ -290,6 +290,13 @@ def make_train_function(model):
     keeper.compiled_step = compiled
 
     def train_step(state, data):
+        try:
+            return run_step(state, data)
+        except BaseException:
+            _reattach(model, state)
+            raise
+
+    def run_step(state, data):
         write = keeper.writes_next()
         if jitted and (keeper.slots is None or len(keeper.slots) != len(keeper.paths or ())):
             # The first jitted step donates slots, which must exist before
@@ -308,3 +315,26 @@ def make_train_function(model):
         return logs, state
 
     model.train_function = model._make_function(train_step)
+
+
+def _reattach(model, state):
+    """Gives `model`'s variables the values of `state`, a step's input.
+
+    Keras's `fit` detaches the variables from their values while its steps
+    run (`_purge_model_variables`) and attaches the last step's output at
+    the end: a step that raises (a gradient metric's error, raised as the
+    step is traced) would leave them with none. Its input is what they held
+    before it; a buffer that the step donated is gone, and left as it is.
+    """
+    arrays = jax.tree_util.tree_leaves(state)
+    if any(isinstance(a, jax.Array) and a.is_deleted() for a in arrays):
+        return
+    trainable, non_trainable, optimizer_values, metrics_values = state
+    for variables, values in (
+        (model.trainable_variables, trainable),
+        (model.non_trainable_variables, non_trainable),
+        (model.optimizer.variables, optimizer_values),
+        (model.metrics_variables, metrics_values),
+    ):
+        for variable, value in zip(variables, values):
+            variable.assign(value)

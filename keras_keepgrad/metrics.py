@@ -113,9 +113,12 @@ class GradientMetric(keras.metrics.Metric):
     `reduction` says and is logged by `fit` under `name`.
 
     Evaluation steps leave it untouched, and it is absent from `evaluate()`
-    results and from the `val_` logs. Compiled into a model that keeps no
-    gradients (a plain `keras.Model`, or `keep_gradients=False`), it raises
-    at the first step.
+    results and from the `val_` logs. Compiled into a `KeepGradModel` with
+    `keep_gradients=False`, `fit` refuses it as it starts; into a plain
+    `keras.Model`, it raises at the first step. In a `KeepGradModel`, an
+    error in the first step of its training function (the step kept
+    nothing, or `fn` raised or returned no scalar) leaves the weights, the
+    optimizer and the metrics as they were.
 
     `result()` returns a dict: `{name: value}`, or `{}` while no training
     step was seen since the last reset.
@@ -256,7 +259,7 @@ class GradientMetric(keras.metrics.Metric):
         if value.ndim != 0:
             raise ValueError(
                 f"The `fn` of GradientMetric {self.name!r} must return a "
-                f"scalar. Received: a tensor of shape {value.shape}. Reduce "
+                f"scalar. Received: a tensor of shape {tuple(value.shape)}. Reduce "
                 "it to one number (e.g. with `keras.ops.max`), or use one "
                 "GradientMetric per value."
             )
@@ -812,6 +815,55 @@ def build_gradient_metrics(model):
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
         for metric in metrics:
             metric._build_for(variables)
+
+
+def _check_gradients_kept(model):
+    """Raises if `model` keeps no gradients but has gradient metrics (internal).
+
+    Called by `make_train_function`, before the first step changes
+    anything: the metrics would raise in that step, after its update on
+    the backends that run it eagerly.
+    """
+    if model._keep_gradients:
+        return
+    metrics = _gradient_metrics(model)
+    if metrics:
+        metric = metrics[0]
+        raise ValueError(
+            f"Gradient metric {metric.name!r} ({type(metric).__name__}) was "
+            f"compiled into model {model.name!r}, which keeps no gradients: "
+            "it measures the kept ones. Set `model.keep_gradients = True` "
+            "before `fit` (a `KeepGradModel` keeps them by default), or "
+            "compile without the metric. Received: keep_gradients=False"
+        )
+
+
+def _untracked_state(model):
+    """Copies the state that `model`'s gradient metrics hold outside Keras's
+    tracking (`_Holder`s); returns a function that puts it back (internal).
+
+    What a step made there is dropped, to be made again by the next step.
+    Only TensorFlow's metrics hold such state.
+    """
+    saved = []
+    if _compat.BACKEND != "tensorflow":
+        return lambda: None
+    for metric in _gradient_metrics(model):
+        for holder in vars(metric).values():
+            if isinstance(holder, _Holder):
+                contents = dict(holder.variables)
+                variables = [v for v in keras.tree.flatten(contents) if isinstance(v, tf.Variable)]
+                values = [tf.identity(v) for v in variables]
+                saved.append((holder, contents, variables, values))
+
+    def restore():
+        for holder, contents, variables, values in saved:
+            holder.variables.clear()
+            holder.variables.update(contents)
+            for variable, value in zip(variables, values):
+                variable.assign(value)
+
+    return restore
 
 
 def _alike(a, b):

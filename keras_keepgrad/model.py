@@ -76,7 +76,7 @@ def _keeping(train_step):
     @functools.wraps(train_step)
     def keeping(self, *args, **kwargs):
         # `(data)` on TensorFlow and PyTorch, `(state, data)` on JAX.
-        with _keeping_context(self):
+        with _restoring_context(self), _keeping_context(self):
             return train_step(self, *args, **kwargs)
 
     keeping._keeps = True
@@ -95,6 +95,67 @@ def _keeping_context(model):
     if model._keeper is None:
         model._keeper = model._new_keeper()
     return _capture.training_step(model, model._keeper)
+
+
+@_capture.do_not_convert
+def _restoring_context(model):
+    """Restores `model`'s state if its first eagerly run step raises.
+
+    A gradient metric raises in the step, after the optimizers updated the
+    variables (a step that kept nothing, an `fn` that fails or returns no
+    scalar): on the first step of a training function, the error leaves
+    the model as it was. A traced step raises while it is traced, before
+    anything runs, and JAX's steps are pure (`_keeper_jax` puts their
+    state back), so only eager PyTorch and TensorFlow steps need the copy.
+    """
+    if not model._keep_gradients or _compat.BACKEND == "jax":
+        return contextlib.nullcontext()
+    step = _capture.current_step()
+    if step is not None and step.model is model:
+        return contextlib.nullcontext()  # a step that calls another
+    keeper = model._keeper
+    if keeper is not None and keeper.ran_a_step:
+        return contextlib.nullcontext()
+    if _compat.BACKEND == "tensorflow" and (
+        not tf.executing_eagerly() or tf.distribute.has_strategy()
+    ):
+        return contextlib.nullcontext()
+    if not metrics_lib._gradient_metrics(model):
+        return contextlib.nullcontext()
+    return _restored_on_error(model)
+
+
+@contextlib.contextmanager
+def _restored_on_error(model):
+    """Copies `model`'s state; puts it back if the block raises."""
+    optimizers = [
+        value for value in vars(model).values() if isinstance(value, keras.optimizers.Optimizer)
+    ]
+    if getattr(model, "optimizer", None) is not None:
+        optimizers.append(model.optimizer)
+    variables, seen = [], set()
+    for variable in [
+        *model.variables,
+        *model.metrics_variables,
+        *(v for optimizer in optimizers for v in optimizer.variables),
+    ]:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            variables.append(variable)
+    values = [keras.ops.copy(v.value) for v in variables]
+    restore_metrics = metrics_lib._untracked_state(model)
+    try:
+        yield
+    except BaseException:
+        # Metrics that the step built (eager TensorFlow builds the compiled
+        # ones in the first step) start from their reset state.
+        for metric in model.metrics:
+            if any(id(v) not in seen for v in metric.variables):
+                metric.reset_state()
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+        restore_metrics()
+        raise
 
 
 def _marking_evaluation(test_step):
@@ -427,6 +488,9 @@ class KeepGradModel(keras.Model):
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
+        # Before anything changes: a gradient metric would raise in the
+        # first step (its updates on PyTorch and eager TensorFlow applied).
+        metrics_lib._check_gradients_kept(self)
         if self._keep_gradients:
             metrics_lib._check_unique_keys(self)
             _capture.install()
@@ -577,22 +641,32 @@ class KeepGradModel(keras.Model):
             )
         if keeper.kept_nothing:
             raise RuntimeError(_capture.nothing_kept_message(self))
-        current = tuple(v.path for v in self.trainable_variables)
-        if current != keeper.trainable_paths:
-            added = sorted(set(current) - set(keeper.trainable_paths))
-            removed = sorted(set(keeper.trainable_paths) - set(current))
-            # On JAX the optimizer, built for the old variables, refuses a
-            # rebuilt training function: only `compile` makes a new one.
-            alternative = (
-                "" if _compat.BACKEND == "jax" else ", or `model.make_train_function(force=True)`"
-            )
-            raise RuntimeError(
-                "The kept gradients are stale: the trainable variables changed "
-                "since the training function was built (now trainable: "
-                f"{added}; no longer trainable: {removed}). Call "
-                f"`model.compile(...)` again{alternative}, and train."
-            )
+        stale = self._stale_message()
+        if stale is not None:
+            raise RuntimeError(stale)
         return self._keeper
+
+    def _stale_message(self):
+        """Why the kept gradients are stale, or None if they are not."""
+        keeper = self._keeper
+        if keeper is None or keeper.trainable_paths is None:
+            return None
+        current = tuple(v.path for v in self.trainable_variables)
+        if current == keeper.trainable_paths:
+            return None
+        added = sorted(set(current) - set(keeper.trainable_paths))
+        removed = sorted(set(keeper.trainable_paths) - set(current))
+        # On JAX the optimizer, built for the old variables, refuses a
+        # rebuilt training function: only `compile` makes a new one.
+        alternative = (
+            "" if _compat.BACKEND == "jax" else ", or `model.make_train_function(force=True)`"
+        )
+        return (
+            "The kept gradients are stale: the trainable variables changed "
+            "since the training function was built (now trainable: "
+            f"{added}; no longer trainable: {removed}). Call "
+            f"`model.compile(...)` again{alternative}, and train."
+        )
 
     @property
     def gradients(self):

@@ -466,10 +466,10 @@ def test_saved_model_loads_and_trains_again(tmp_path):
     ],
     ids=["keras.Model", "keep_gradients=False"],
 )
-def test_model_without_kept_gradients_fails_at_the_first_step(make):
+def test_model_without_kept_gradients_fails(make):
     model = make()
     model.compile(optimizer="sgd", loss="mse", metrics=[kgm.GradientNorm()])
-    with pytest.raises(ValueError, match=r"'grad_norm'.*KeepGradModel.*keep_gradients=True"):
+    with pytest.raises(ValueError, match=r"'grad_norm'.*KeepGradModel.*keep_gradients"):
         model.fit(X, Y, verbose=0)
 
 
@@ -558,6 +558,85 @@ def test_non_scalar_fn_names_the_metric():
     metric = kgm.GradientMetric(lambda g: g["dense_0"]["kernel"], name="whole_kernel")
     with pytest.raises(ValueError, match=r"'whole_kernel' must return a scalar.*\(1, 1\)"):
         fit(model, [metric])
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad_tests")
+def whole_kernel(grads):
+    return grads["dense_0"]["kernel"]  # shape (1, 1): not a scalar
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad_tests")
+def failing(grads):
+    raise ZeroDivisionError("failing fn")
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad_tests")
+class UpdatesByHand(kg.KeepGradModel):
+    """Halves w by hand, without an optimizer or `keep_step_gradients`,
+    then updates the compiled metrics: a step that keeps nothing."""
+
+    def train_step(self, data):
+        x, y = data
+        for variable in self.trainable_variables:
+            variable.assign(0.5 * variable)
+        return self.compute_metrics(x, y, self(x))
+
+
+# `(model, metric, error, message)` of each error a gradient metric raises.
+FAILING = {
+    "keep_gradients=False": (
+        lambda: one_weight(keep_gradients=False),
+        kgm.GradientNorm,
+        ValueError,
+        r"'grad_norm'.*compiled into model 'functional.*keeps no gradients.*"
+        r"`model.keep_gradients = True`.*Received: keep_gradients=False",
+    ),
+    "keeps_nothing": (
+        lambda: one_weight(cls=UpdatesByHand),
+        kgm.GradientNorm,
+        ValueError,
+        r"'grad_norm'.*before any optimizer received gradients.*keep_step_gradients",
+    ),
+    "non_scalar": (
+        one_weight,
+        lambda: kgm.GradientMetric(whole_kernel),
+        ValueError,
+        r"'whole_kernel' must return a scalar.*\(1, 1\)",
+    ),
+    "fn_raises": (one_weight, lambda: kgm.GradientMetric(failing), ZeroDivisionError, "failing fn"),
+}
+
+
+@pytest.mark.parametrize("case", list(FAILING))
+def test_a_gradient_metric_error_comes_before_anything_changes(case, mode, tmp_path):
+    make, metric, error, match = FAILING[case]
+    model = make()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae", metric()], **mode
+    )
+    with pytest.raises(error, match=match):
+        model.fit(X, Y, batch_size=2, verbose=0)
+    # Not the 1.5 of an applied step (eager steps apply before the metrics).
+    np.testing.assert_array_equal(model.get_weights()[0], [[W0]])
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert [np.sum(np.abs(v.numpy())) for v in model.metrics_variables] == [0.0] * len(
+        model.metrics_variables
+    )
+    model.save(tmp_path / "model.keras")
+    assert keras.models.load_model(tmp_path / "model.keras").get_weights()[0][0, 0] == W0
+
+
+EAGER = dict(run_eagerly=True)
+
+
+def test_an_eager_step_that_fails_puts_update_ratios_copies_back():
+    # UpdateRatio copies w (3 -> 1.5) before the failing metric raises: the
+    # copy goes back with w, so the next step's ratio is |1.5 - 3| / 3.
+    model = one_weight()
+    ratio = kgm.UpdateRatio()
+    with pytest.raises(ZeroDivisionError):
+        fit(model, [ratio, kgm.GradientMetric(failing)], compile_kwargs=EAGER)
+    assert fit(model, [ratio], compile_kwargs=EAGER)["update_ratio"] == [0.5]
 
 
 @pytest.mark.parametrize(

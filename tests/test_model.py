@@ -157,6 +157,26 @@ def test_recompile_after_unfreezing_rebuilds_the_slots():
     np.testing.assert_array_equal(model.gradients["head"]["kernel"], [[60.0]])
 
 
+def test_a_stale_training_function_is_refused_before_its_first_batch(tmp_path):
+    inputs = keras.Input((1,))
+    hidden = dense_0(name="hidden", w=2.0)
+    model = kg.KeepGradModel(inputs, dense_0(name="head")(hidden(inputs)))
+    hidden.trainable = False
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
+    # y = 3*2*x: d/dw_head = 2*mean(y*2x) = 24*2.5 = 60, so w_head = 3 - 6.
+    weights = [[[2.0]], [[-3.0]]]
+    np.testing.assert_array_equal(model.get_weights(), weights)
+    hidden.trainable = True  # without `compile`: the old training function
+    snapshot = kg.callbacks.GradientSnapshot(str(tmp_path / "g{step}.npz"), every=1)
+    with pytest.raises(RuntimeError, match=r"GradientSnapshot .*stale.*\['hidden/kernel'\]"):
+        model.fit(X, Y, batch_size=2, verbose=0, callbacks=[snapshot])
+    assert snapshot.files == []
+    np.testing.assert_array_equal(model.get_weights(), weights)  # no batch applied
+    assert int(model.optimizer.iterations.numpy()) == 1
+    model.save(tmp_path / "model.keras")
+
+
 def test_variable_the_loss_does_not_reach_keeps_zeros():
     class TwoHeads(kg.KeepGradModel):
         def __init__(self, **kwargs):

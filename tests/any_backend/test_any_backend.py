@@ -14,9 +14,11 @@ import h5py
 import keras
 import numpy as np
 import pytest
+from conftest import W0
 from conftest import LateBuilt
 from conftest import X
 from conftest import Y
+from conftest import dense_0
 from conftest import fit_batches
 from conftest import fit_once
 from conftest import kernel
@@ -193,6 +195,118 @@ def test_gradient_metrics_in_a_model_that_keeps_nothing_raise(cls):
     )
     with pytest.raises(ValueError, match=r"'grad_norm'.*keeps no gradients.*KeepGradModel"):
         model.fit(X, Y, batch_size=2, verbose=0)
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad_tests")
+def whole_kernel(grads):
+    return grads["dense_0"]["kernel"]  # shape (1, 1): not a scalar
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad_tests")
+def failing(grads):
+    raise ZeroDivisionError("failing fn")
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad_tests")
+class UpdatesByHand(kg.KeepGradModel):
+    """Halves w by hand, without an optimizer or `keep_step_gradients`,
+    then updates the compiled metrics: a step that keeps nothing."""
+
+    if keras.backend.backend() == "jax":
+
+        def train_step(self, state, data):
+            trainable, non_trainable, optimizer_values, metrics_values = state
+            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            y_pred, _ = self.stateless_call(trainable, non_trainable, x)
+            mapping = list(zip(self.metrics_variables, metrics_values))
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                logs = self.compute_metrics(x, y, y_pred)
+            metrics_values = [scope.get_current_value(v) for v in self.metrics_variables]
+            trainable = [0.5 * value for value in trainable]
+            return logs, (trainable, non_trainable, optimizer_values, metrics_values)
+
+    else:
+
+        def train_step(self, data):
+            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            for variable in self.trainable_variables:
+                variable.assign(0.5 * keras.ops.convert_to_numpy(variable))
+            return self.compute_metrics(x, y, self(x))
+
+
+# `(model, metric, error, message)` of each error a gradient metric raises.
+FAILING = {
+    "keep_gradients=False": (
+        lambda: one_weight(keep_gradients=False),
+        kg.metrics.GradientNorm,
+        ValueError,
+        r"'grad_norm'.*keeps no gradients.*Received: keep_gradients=False",
+    ),
+    "keeps_nothing": (
+        lambda: one_weight(cls=UpdatesByHand),
+        kg.metrics.GradientNorm,
+        ValueError,
+        r"'grad_norm'.*before any optimizer received gradients.*keep_step_gradients",
+    ),
+    "non_scalar": (
+        one_weight,
+        lambda: kg.metrics.GradientMetric(whole_kernel),
+        ValueError,
+        r"'whole_kernel' must return a scalar.*\(1, 1\)",
+    ),
+    "fn_raises": (
+        one_weight,
+        lambda: kg.metrics.GradientMetric(failing),
+        ZeroDivisionError,
+        "failing fn",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FAILING))
+def test_a_gradient_metric_error_comes_before_anything_changes(case, mode, tmp_path):
+    # On JAX the error used to leave the variables without values (Keras's
+    # `fit` detaches them while its steps run); on PyTorch it came after
+    # the step's update.
+    make, metric, error, match = FAILING[case]
+    model = make()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae", metric()], **mode
+    )
+    with pytest.raises(error, match=match):
+        model.fit(X, Y, batch_size=2, verbose=0)
+    np.testing.assert_array_equal(model.get_weights()[0], [[W0]])  # not 1.5
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 0
+    values = [float(np.sum(np.abs(keras.ops.convert_to_numpy(v)))) for v in model.metrics_variables]
+    assert values == [0.0] * len(values)
+    model.save(tmp_path / "model.keras")
+    assert keras.models.load_model(tmp_path / "model.keras").get_weights()[0][0, 0] == W0
+
+
+def test_a_stale_training_function_is_refused_before_its_first_batch(tmp_path):
+    inputs = keras.Input((1,))
+    hidden = dense_0(name="hidden", w=2.0)
+    model = kg.KeepGradModel(inputs, dense_0(name="head")(hidden(inputs)))
+    hidden.trainable = False
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
+    # y = 3*2*x: d/dw_head = 2*mean(y*2x) = 24*2.5 = 60, so w_head = 3 - 6.
+    weights = [[[2.0]], [[-3.0]]]
+    np.testing.assert_array_equal(model.get_weights(), weights)
+    hidden.trainable = True  # without `compile`: the old training function
+    snapshot = kg.callbacks.GradientSnapshot(str(tmp_path / "g{step}.npz"), every=1)
+    if keras.backend.backend() == "jax":
+        error, match = RuntimeError, r"GradientSnapshot .*stale.*\['hidden/kernel'\]"
+    else:
+        # The PyTorch step follows the change, and Keras's optimizer refuses
+        # the variable it was not built with.
+        error, match = ValueError, "Unknown variable.*hidden/kernel"
+    with pytest.raises(error, match=match):
+        model.fit(X, Y, batch_size=2, verbose=0, callbacks=[snapshot])
+    assert snapshot.files == []
+    np.testing.assert_array_equal(model.get_weights(), weights)  # no batch applied
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 1
+    model.save(tmp_path / "model.keras")
 
 
 def test_gradient_metrics_over_two_steps_and_evaluation():
