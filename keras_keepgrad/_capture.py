@@ -28,6 +28,7 @@ from keras import ops
 __all__ = [
     "HostCountedKeeper",
     "Step",
+    "check_unique_paths",
     "current_step",
     "do_not_convert",
     "evaluation_step",
@@ -36,6 +37,7 @@ __all__ = [
     "install",
     "nest_by_path",
     "nothing_kept_message",
+    "shared_paths_message",
     "training_step",
     "unscale",
 ]
@@ -58,6 +60,9 @@ class Step:
         variables: `{variable path: variable}`, likewise.
         reduced: Whether `grads` are already the global-batch gradients
             (always, but on some replicas of a `tf.distribute` strategy).
+
+    Raises:
+        ValueError: Two of the model's trainable variables share a path.
     """
 
     def __init__(self, model, keeper):
@@ -69,6 +74,10 @@ class Step:
         self.applying = False
         self.backend_state = None
         self._updating = False
+        # `{path: variable}` of the model's trainable variables and of all
+        # that the step handed over so far: checked before anything changes.
+        self._owners = {}
+        self.claim(model.trainable_variables)
 
     @property
     def expects_gradients(self):
@@ -91,12 +100,39 @@ class Step:
             self._updating = True
             self.model._before_first_update()
 
+    def claim(self, variables):
+        """Raises if one of `variables` shares its path with another variable
+        of the model or of the step; call it before they are updated."""
+        check_unique_paths(self.model, variables, self._owners)
+
     def add(self, variables, grads, reduced):
         """Records one `apply`'s kept gradients."""
         for variable, grad in zip(variables, grads):
             self.grads[variable.path] = grad
             self.variables[variable.path] = variable
         self.reduced = self.reduced and reduced
+
+
+def check_unique_paths(model, variables, owners=None):
+    """Raises if distinct variables among `variables` share a path.
+
+    Kept gradients are keyed by path: of two variables with one path, one
+    gradient would be lost. The same variable twice (handed to two
+    optimizers) is no conflict: the later gradient is kept.
+
+    Args:
+        model: The model whose step it is, for the message.
+        variables: The variables to check.
+        owners: `{path: variable}` of variables already checked, which
+            `variables` must not conflict with either; updated with them.
+    """
+    owners = {} if owners is None else owners
+    shared = set()
+    for variable in variables:
+        if owners.setdefault(variable.path, variable) is not variable:
+            shared.add(variable.path)
+    if shared:
+        raise ValueError(shared_paths_message(model, sorted(shared)))
 
 
 _KEEPER_SERIALS = itertools.count()
@@ -161,6 +197,21 @@ class HostCountedKeeper(Keeper):
         if self.every == 1 or self._written < 0:
             return None, 0
         return (self._serial, self._written), self._steps - 1 - self._written
+
+
+def shared_paths_message(model, paths):
+    """Says that distinct variables share `paths`, and how to fix it."""
+    return (
+        "Kept gradients are keyed by variable path, and distinct trainable "
+        f"variables in the training step of model {model.name!r} share the "
+        f"path{'s' if len(paths) > 1 else ''} "
+        f"{', '.join(repr(p) for p in paths)}: one of their gradients would "
+        "be lost. Give the layers that hold them distinct `name`s (a "
+        "variable's path is its layer's name then its own, as in "
+        "'dense/kernel', inside the name of the model that built the layer, "
+        "if any), or build the model with "
+        "`keep_gradients=False`."
+    )
 
 
 def unscale(optimizer, variables, grads, map_values=None):
@@ -337,6 +388,7 @@ def _capturing(apply):
             return apply(optimizer, grads, trainable_variables)
         if not grads:
             return apply(optimizer, grads, trainable_variables)
+        step.claim(variables)
         step.before_update()
 
         def run(grads):
@@ -361,6 +413,7 @@ def _capturing_stateless(stateless_apply):
         if step is None or step.applying or not optimizer.built or not grads:
             return stateless_apply(optimizer, optimizer_variables, grads, trainable_variables)
         grads, values = list(grads), list(trainable_variables)
+        step.claim(optimizer._trainable_variables)
         step.before_update()
 
         def run(grads):

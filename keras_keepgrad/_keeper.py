@@ -17,7 +17,6 @@ optimizer's update densifies the gradient anyway (`densified_in`): then the
 slot is dense and XLA computes the dense tensor once for both.
 """
 
-import collections
 import contextlib
 import functools
 import re
@@ -472,20 +471,6 @@ def _check_unconditional(step, call):
         graph = getattr(graph, "outer_graph", None)
 
 
-def _check_unique_paths(variables):
-    """Raises if two variables share a path: slots and reads are keyed by it."""
-    counts = collections.Counter(v.path for v in variables)
-    shared = sorted(path for path, n in counts.items() if n > 1)
-    if shared:
-        raise ValueError(
-            "Kept gradients are keyed by variable path, and several trainable "
-            f"variables share the path{'s' if len(shared) > 1 else ''} "
-            f"{', '.join(repr(p) for p in shared)} (two layers with the same "
-            "`name`?). Give each layer a unique `name`, or build the model "
-            "with `keep_gradients=False`."
-        )
-
-
 class GradientKeeper(_capture.Keeper):
     """Owns one model's gradient slots, keyed by variable path.
 
@@ -691,7 +676,6 @@ class GradientKeeper(_capture.Keeper):
             conditional write of all (for `after`; None when executing
             eagerly; none for a sparse slot under `deferring_sparse_writes`).
         """
-        _check_unique_paths(variables)
         reduced = reduces_in_step(self.strategy)
         if reduced:
             grads = all_reduce_sum(grads)

@@ -492,6 +492,9 @@ class KeepGradModel(keras.Model):
         # first step (its updates on PyTorch and eager TensorFlow applied).
         metrics_lib._check_gradients_kept(self)
         if self._keep_gradients:
+            # Before `fit` runs a step (on JAX, before it takes the variables'
+            # values out of the model for the step): each step checks again.
+            _capture.check_unique_paths(self, self.trainable_variables)
             metrics_lib._check_unique_keys(self)
             _capture.install()
             if _compat.BACKEND == "tensorflow":
@@ -549,7 +552,9 @@ class KeepGradModel(keras.Model):
         Raises:
             RuntimeError: Called outside this model's training step, or the
                 model keeps no gradients.
-            ValueError: `grads` and `variables` differ in length.
+            ValueError: `grads` and `variables` differ in length, or one
+                of `variables` shares its path with another variable of
+                the model or of the step.
 
         Example:
 
@@ -587,6 +592,7 @@ class KeepGradModel(keras.Model):
                 f"Received: {len(grads)} gradients for {len(variables)} "
                 "variables."
             )
+        step.claim(variables)
         step.before_update()
         return step.keeper.keep_given(step, variables, grads)
 

@@ -696,6 +696,95 @@ def test_nested_train_step_calls_are_one_step():
     assert kernel(model) == 3.75
 
 
+def out_model(w):
+    """`Input((1,)) -> Dense(1, name="out")` with kernel `w`, bias 0. A
+    functional model's layers are built before it, so the paths are
+    "out/kernel" and "out/bias" whatever the model's name."""
+    inputs = keras.Input((1,))
+    out = keras.layers.Dense(1, name="out", kernel_initializer=keras.initializers.Constant(w))
+    return keras.Model(inputs, out(inputs))
+
+
+class TwoOuts(kg.KeepGradModel):
+    """Two sub-models whose layers are both named "out". `update`: "keras"
+    (Keras's step), "one" optimizer for both, "two" (an SGD each), "keep"
+    (by hand, through `keep_step_gradients`)."""
+
+    def __init__(self, update, **kwargs):
+        super().__init__(**kwargs)
+        self.update = update
+        self.first = out_model(3.0)
+        self.second = out_model(1.0)
+        self.opt_a = keras.optimizers.SGD(0.1)
+        self.opt_b = keras.optimizers.SGD(0.1)
+
+    def call(self, x):
+        return self.second(self.first(x))
+
+    def train_step(self, data):
+        if self.update == "keras":
+            return super().train_step(data)
+        x, y = data
+        loss, variables, grads = mse_gradients(self, x, y)
+        if self.update == "one":
+            self.optimizer.apply(grads, variables)
+        elif self.update == "two":
+            self.opt_a.apply(grads[:2], variables[:2])
+            self.opt_b.apply_gradients(zip(grads[2:], variables[2:]))
+        else:
+            for variable, grad in zip(variables, self.keep_step_gradients(grads, variables)):
+                variable.assign_sub(0.1 * grad)
+        return {"loss": loss}
+
+
+SHARED_OUT = r"share the paths 'out/bias', 'out/kernel': one .* distinct `name`s"
+
+
+@pytest.mark.parametrize("update", ["keras", "one", "two", "keep"])
+def test_variables_sharing_a_path_raise_before_anything_changes(mode, update):
+    model = TwoOuts(update)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
+    with pytest.raises(ValueError, match=SHARED_OUT):
+        model.fit(X, Y, batch_size=2, verbose=0)
+    # Kernels 3 and 1, biases 0: nothing was updated.
+    assert [w.tolist() for w in model.get_weights()] == [[[3.0]], [0.0], [[1.0]], [0.0]]
+    optimizers = [model.optimizer, model.opt_a, model.opt_b]
+    assert [int(o.iterations) for o in optimizers] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("mode", ["graph", "jit"])
+def test_paths_that_collide_across_two_optimizers_raise(mode):
+    # The second sub-model is not an attribute, so not the model's: its
+    # paths meet the first's only at its optimizer. A compiled step raises
+    # as it is traced, before anything runs.
+    second = out_model(1.0)
+    opt_b = keras.optimizers.SGD(0.1)
+
+    class Untracked(kg.KeepGradModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.first = out_model(3.0)
+
+        def call(self, x):
+            return second(self.first(x))
+
+        def train_step(self, data):
+            x, y = data
+            variables = self.first.trainable_variables + second.trainable_variables
+            loss, variables, grads = mse_gradients(self, x, y, variables)
+            self.optimizer.apply(grads[:2], variables[:2])
+            opt_b.apply(grads[2:], variables[2:])
+            return {"loss": loss}
+
+    model = Untracked()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=mode == "jit")
+    with pytest.raises(ValueError, match=SHARED_OUT):
+        model.fit(X, Y, batch_size=2, verbose=0)
+    assert [w.tolist() for w in model.get_weights()] == [[[3.0]], [0.0]]
+    assert [w.tolist() for w in second.get_weights()] == [[[1.0]], [0.0]]
+    assert [int(o.iterations) for o in (model.optimizer, opt_b)] == [0, 0]
+
+
 # --- what plain Keras trains, KeepGradModel trains alike --------------------
 
 

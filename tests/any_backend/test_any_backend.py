@@ -490,6 +490,122 @@ def test_other_backends_named_in_the_error(monkeypatch):
         one_weight()
 
 
+# Variables sharing a path -------------------------------------------------
+
+
+def out_model(w, name="out"):
+    """`Input((1,)) -> Dense(1, name=name)` with kernel `w`, bias 0. A
+    functional model's layers are built before it, so the paths are
+    "out/kernel" and "out/bias" whatever the model's name."""
+    inputs = keras.Input((1,))
+    out = keras.layers.Dense(1, name=name, kernel_initializer=keras.initializers.Constant(w))
+    return keras.Model(inputs, out(inputs))
+
+
+class TwoOuts(kg.KeepGradModel):
+    """Two sub-models with layers named `names`. `update`: "keras" (Keras's
+    step), "one" optimizer for both, "two" (an SGD each), "keep" (by hand,
+    through `keep_step_gradients`), in a step of the backend's own kind.
+
+    y = w1 (w0 x + b0) + b1 with w0 = 3, w1 = 1, biases 0: the gradients
+    are 5 w0 w1^2 = 15 and 5 w1 w0^2 = 45 for the kernels, 2 mean(3x) = 9
+    for either bias."""
+
+    def __init__(self, update, names=("out", "out"), **kwargs):
+        super().__init__(**kwargs)
+        self.update = update
+        self.first = out_model(3.0, names[0])
+        self.second = out_model(1.0, names[1])
+        self.opt_a = keras.optimizers.SGD(0.1)
+        self.opt_b = keras.optimizers.SGD(0.1)
+
+    def call(self, x):
+        return self.second(self.first(x))
+
+    def train_step(self, *args):
+        if self.update == "keras":
+            return super().train_step(*args)
+        if keras.backend.backend() == "jax":
+            return self._stateless_step(*args)
+        return self._torch_step(*args)
+
+    def _stateless_step(self, state, data):
+        import jax
+
+        trainable, non_trainable, optimizer_vars, metrics_vars = state
+        x, y = data
+
+        def loss_fn(trainable):
+            y_pred, _ = self.stateless_call(trainable, non_trainable, x)
+            return keras.ops.mean((y_pred - y) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(trainable)
+        if self.update == "one":
+            trainable, optimizer_vars = self.optimizer.stateless_apply(
+                optimizer_vars, grads, trainable
+            )
+        elif self.update == "two":
+            # SGD without momentum: no optimizer state to thread through.
+            halves = []
+            for opt, part in ((self.opt_a, slice(0, 2)), (self.opt_b, slice(2, 4))):
+                values, _ = opt.stateless_apply(
+                    [v.value for v in opt.variables], grads[part], trainable[part]
+                )
+                halves.extend(values)
+            trainable = halves
+        else:
+            grads = self.keep_step_gradients(grads, self.trainable_variables)
+            trainable = [v - 0.1 * g for v, g in zip(trainable, grads)]
+        return {"loss": loss}, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+    def _torch_step(self, data):
+        import torch
+
+        x, y = data
+        self.zero_grad()
+        loss = torch.mean((self(x) - y) ** 2)
+        loss.backward()
+        variables = self.trainable_variables
+        grads = [v.value.grad for v in variables]
+        with torch.no_grad():
+            if self.update == "one":
+                self.optimizer.apply(grads, variables)
+            elif self.update == "two":
+                self.opt_a.apply(grads[:2], variables[:2])
+                self.opt_b.apply_gradients(zip(grads[2:], variables[2:]))
+            else:
+                for v, g in zip(variables, self.keep_step_gradients(grads, variables)):
+                    v.assign(v.value - 0.1 * g)
+        return {"loss": loss.detach()}
+
+
+def two_outs(update, names=("out", "out"), **compile_kwargs):
+    model = TwoOuts(update, names)
+    model(X)
+    model.opt_a.build(model.first.trainable_variables)
+    model.opt_b.build(model.second.trainable_variables)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **compile_kwargs)
+    return model
+
+
+@pytest.mark.parametrize("update", ["keras", "one", "two", "keep"])
+def test_variables_sharing_a_path_raise_before_anything_changes(mode, update):
+    model = two_outs(update, **mode)
+    match = r"share the paths 'out/bias', 'out/kernel': one .* distinct `name`s"
+    with pytest.raises(ValueError, match=match):
+        model.fit(X, Y, batch_size=2, verbose=0)
+    # Kernels 3 and 1, biases 0: nothing was updated.
+    assert [w.tolist() for w in model.get_weights()] == [[[3.0]], [0.0], [[1.0]], [0.0]]
+    optimizers = [model.optimizer, model.opt_a, model.opt_b]
+    assert [int(o.iterations) for o in optimizers] == [0, 0, 0]
+
+    # With distinct names the same step keeps all four gradients.
+    model = two_outs(update, names=("a", "b"), **mode)
+    model.fit(X, Y, batch_size=2, verbose=0)
+    kept = {path: np.asarray(g).tolist() for path, g in model.get_gradients_by_path().items()}
+    assert kept == {"a/kernel": [[15.0]], "a/bias": [9.0], "b/kernel": [[45.0]], "b/bias": [9.0]}
+
+
 # Callbacks (they write through TensorFlow's `tf.summary`, as Keras's own
 # TensorBoard callback does on every backend) -------------------------------
 

@@ -146,6 +146,51 @@ def test_two_optimizers_in_own_train_step_are_both_kept():
     assert float(net.first.kernel.numpy()[0, 0]) == pytest.approx(3.0 - 0.01 * 15.0)
 
 
+def test_paths_that_collide_across_two_optimizers_raise_at_the_second():
+    # The second sub-model is not an attribute, so not the model's: its
+    # paths, "out/kernel" and "out/bias" as the first's, meet them only at
+    # its optimizer. The step runs eagerly: the first optimizer has applied
+    # by then, the second raises before it changes anything.
+    def out_model(w):
+        inputs = keras.Input((1,))
+        out = keras.layers.Dense(1, name="out", kernel_initializer=keras.initializers.Constant(w))
+        return keras.Model(inputs, out(inputs))
+
+    second = out_model(1.0)
+    opt_b = keras.optimizers.SGD(0.1)
+
+    class Untracked(kg.KeepGradModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.first = out_model(3.0)
+
+        def call(self, x):
+            return second(self.first(x))
+
+        def train_step(self, data):
+            x, y = data
+            self.zero_grad()
+            second.zero_grad()
+            loss = torch.mean((self(x) - y) ** 2)
+            loss.backward()
+            variables = self.first.trainable_variables + second.trainable_variables
+            grads = [v.value.grad for v in variables]
+            with torch.no_grad():
+                self.optimizer.apply(grads[:2], variables[:2])
+                opt_b.apply(grads[2:], variables[2:])
+            return {"loss": loss.detach()}
+
+    model = Untracked()
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    with pytest.raises(ValueError, match="share the paths 'out/bias', 'out/kernel': one"):
+        model.fit(X, Y, batch_size=2, verbose=0)
+    # y = w1 (w0 x + b0) + b1 = 3x: d/dw0 = 15, d/db0 = 9, applied by SGD(0.5).
+    assert [w.tolist() for w in model.get_weights()] == [[[-4.5]], [-4.5]]
+    assert int(model.optimizer.iterations) == 1
+    assert [w.tolist() for w in second.get_weights()] == [[[1.0]], [0.0]]
+    assert int(opt_b.iterations) == 0
+
+
 def test_keep_step_gradients_without_optimizer():
     class Net(kg.KeepGradModel):
         def train_step(self, data):
