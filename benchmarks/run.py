@@ -912,9 +912,12 @@ def measure(args, backend, mode):
 
     if keras.backend.backend() != backend:
         raise SystemExit(f"Keras already runs on {keras.backend.backend()}, not {backend}.")
-    if args.threads:
-        import tensorflow as tf
+    import tensorflow as tf
 
+    # One trace per model and iterator type is expected; TensorFlow's
+    # "excessive retracing" warning counts them across models.
+    tf.get_logger().setLevel("ERROR")
+    if args.threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     import models
