@@ -345,6 +345,7 @@ SETUPS = {
     "watched": dict(
         models=("tiny", "mlp_1m_wide"),
         variants=("plain", "control", "watched"),
+        rounds=10,
         steps=200,
         epochs=1,
     ),
@@ -352,6 +353,7 @@ SETUPS = {
     "batch": dict(
         models=("mlp_6k", "mlp_1m"),
         variants=("plain", "control", "kept", "all"),
+        rounds=5,
         steps=1000,
         epochs=2,
     ),
@@ -368,6 +370,7 @@ SETUPS = {
             "grad_tb_1",
             "monitor",
         ),
+        rounds=15,
         steps=100,
         epochs=2,
     ),
