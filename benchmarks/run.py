@@ -193,11 +193,12 @@ def keeping(args, specs, mode):
         variants = args.variants or ("plain", "control", "kept") + ("floor",) * (backend == "torch")
         names, passes = args.models or ("mlp_1m", "conv"), 1
     variants = ["plain", "control"] + [v for v in variants if v not in ("plain", "control")]
-    jit = args.jit or ("off" if args.smoke or backend != "tensorflow" else "both")
+    # Keras's default elsewhere: jitted on JAX, eager on PyTorch.
+    jit = args.jit or ("auto" if backend != "tensorflow" else "off" if args.smoke else "both")
     configs = []
     for name in names:
         spec = specs[name]._replace(batch_size=args.batch_size or specs[name].batch_size)
-        for jit_compile in {"off": [False], "on": [True], "both": [False, True]}[jit]:
+        for jit_compile in {"off": [False], "on": [True], "both": [False, True]}.get(jit, [jit]):
             weights = initial_weights(spec)
             keys = [(v, i) for i in range(args.instances) for v in variants]
             built = {
@@ -732,7 +733,11 @@ def make_parser():
     for name in ("keeping", "memory"):
         p[name].add_argument("--optimizer", choices=tuple(models.OPTIMIZERS), default="adam")
     k = p["keeping"].add_argument
-    k("--jit", choices=("off", "on", "both"), help="default: both (smoke and JAX, PyTorch: off)")
+    k(
+        "--jit",
+        choices=("off", "on", "both", "auto"),
+        help="default: both (smoke: off; JAX, PyTorch: auto)",
+    )
     k(
         "--instances",
         type=_positive_int,
