@@ -309,6 +309,7 @@ def metrics(args, specs, mode, dynamics=False):
         )
     else:
         variants = args.variants or models.METRICS[: 3 if args.quick else None]
+        variants = ["reference", "control"] + [v for v in variants if v not in models.METRICS[:2]]
         summary = dict(targets={"grad_norm": METRICS_TARGET})
     spec, runners = specs["mlp_1m"], {}
     weights = initial_weights(spec)
@@ -496,7 +497,8 @@ def memory(args, specs, mode):
     full = not (args.smoke or args.quick)
     names = args.models or (("mlp_10m", "embedding")[: 2 if full else 1])
     names = ("mlp_1m",) if args.smoke and not args.models else names
-    variants = args.variants or ("plain", "kept", "hand")[: 3 if full else 2]
+    variants = args.variants or ("kept", "hand")[: 2 if full else 1]
+    variants = ["plain"] + [v for v in variants if v != "plain"]
     found = []
     for allocator in args.allocators or (tuple(ALLOCATORS) if full else ("mmap",)):
         for name in names:
@@ -713,7 +715,11 @@ def make_parser():
     )
     add("--threads", type=int, default=0, help="TensorFlow's op threads (0: its default)")
     add("--models", nargs="+", help="only these models")
-    add("--variants", nargs="+", help="only these variants (the base and control always run)")
+    add(
+        "--variants",
+        nargs="+",
+        help="only these variants (keeping, metrics, memory: the base and control always run)",
+    )
     add("--out", help="JSON path; default benchmarks/results/<subcommand>-<mode>.json")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
