@@ -233,18 +233,18 @@ def python_env(**extra):
     return dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3", **extra)
 
 
-def run_benchmark(tmp_path, script, *args, out="result.json"):
-    """Runs `benchmarks/<script>` with `args` and `--out`, from `tmp_path`.
+def run_benchmark(tmp_path, *args, out="result.json"):
+    """Runs `benchmarks/run.py` with `args` and `--out`, from `tmp_path`.
 
     The script finds this checkout's package itself. Returns the finished
     process and the JSON it wrote; fails the test if it exited with an error.
     """
     path = tmp_path / out
     process = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmarks", script), *args, "--out", str(path)],
+        [sys.executable, os.path.join(REPO, "benchmarks", "run.py"), *args, "--out", str(path)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
         cwd=str(tmp_path),
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
     )

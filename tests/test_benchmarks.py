@@ -1,87 +1,74 @@
-"""`benchmarks/overhead.py --smoke` runs end to end and writes its JSON.
+"""`benchmarks/run.py`: every subcommand's `--smoke` run writes its numbers,
+and the statistics give hand-checked values on made-up times.
 
-Timings on a shared machine are noise at this size: only their presence and
-sign are asserted, never a ratio. The bootstrap interval is checked on
-made-up times.
+Timings on a shared machine are noise at smoke size: only their presence is
+asserted, never a ratio.
 """
 
 import collections
-import json
+import math
 
 import numpy as np
 import pytest
 from conftest import load_benchmark
 from conftest import run_benchmark
 
-VARIANTS = ["plain", "control", "kept", "every10", "hand", "floor", "recompute"]
-STATS = {"median", "q25", "q75"}
+KEEPING = ["plain", "control", "kept", "every10", "hand", "floor", "recompute"]
+QUARTILES = {"median", "q25", "q75"}
+
+
+def _stats():
+    return load_benchmark("stats")
+
+
+def _run():
+    return load_benchmark("run")
+
+
+def _check_summary(config, variants):
+    """Every variant has its ratios, overheads and intervals, in both clocks."""
+    assert list(config["step_ms"]) == variants
+    assert all(ms > 0 for ms in config["step_ms"].values())
+    for clock in ("wall", "cpu"):
+        found = config[clock]
+        assert found["ratio"][config["base"]] == dict.fromkeys(QUARTILES, 1.0)
+        for v in variants:
+            beyond = found["beyond_control"][v]
+            low, high = beyond["ci90"]
+            assert low <= beyond["median"] <= high and math.isfinite(high)
+            assert found["fastest_ratio"][v] > 0
+        assert found["beyond_control"]["control"]["ci90"] == [0.0, 0.0]
+    # The raw rounds are in the JSON: `[wall, cpu, ...]` seconds per step.
+    (run,) = config["runs"]
+    assert list(run) == variants
+    assert all(len(rounds) == config["rounds"] for rounds in run.values())
 
 
 @pytest.mark.slow
-def test_overhead_smoke_writes_every_promised_number(tmp_path):
-    proc, results = run_benchmark(
-        tmp_path, "overhead.py", "--smoke", "--instances", "2", out="smoke.json"
-    )
-    assert "| model | params | batch | jit |" in proc.stdout
-
-    assert results["mode"] == "smoke" and results["complete"] is True
-    assert results["variants"] == VARIANTS
-    assert results["machine_before"]["cpu_count"] >= 1
-    assert len(results["machine_after"]["loadavg"]) == 3
-
-    configs = {(c["model"], c["jit_compile"]): c for c in results["configs"]}
-    assert set(configs) == {("mlp_1m", False), ("embedding", False)}
-    # Smoke sizes: Dense(16->32) + Dense(32->10) = 16*32+32 + 32*10+10 = 874;
-    # Embedding(100, 4) + Dense(4->64) + Dense(64->10) = 400 + 320 + 650.
-    assert configs["mlp_1m", False]["params"] == 874
-    assert configs["embedding", False]["params"] == 1370
-    for config in configs.values():
-        assert config["rounds"] == 2 and config["passes_per_round"] == 2
-        assert config["steps_per_pass"] >= 1
-        assert config["instances"] == 2
-        for variant, per_instance in config["pass_seconds_per_step"].items():
-            # [instance][round][pass] = [wall, cpu]
-            assert len(per_instance) == 2
-            for passes in per_instance:
-                assert len(passes) == 2 and all(len(p) == 2 for p in passes)
-            # An instance's round time is its fastest pass; a variant's, the
-            # mean over its instances.
-            first, second = (
-                [min(wall for wall, _ in rnd) for rnd in passes] for passes in per_instance
-            )
-            assert config["seconds_per_step"][variant] == [
-                (a + b) / 2 for a, b in zip(first, second)
-            ]
-        for key in ("seconds_per_step", "cpu_seconds_per_step"):
-            assert set(config[key]) == set(VARIANTS)
-            for seconds in config[key].values():
-                assert len(seconds) == 2 and all(t > 0 for t in seconds)
-        assert all(config["step_ms"][v] > 0 for v in VARIANTS)
-        for key in ("ratio", "beyond_control", "cpu_ratio", "cpu_beyond_control"):
-            assert set(config[key]) == set(VARIANTS)
-            assert all(set(s) == STATS for s in config[key].values())
-        # The control against itself: ratio - ratio is exactly 0 per round.
-        assert config["beyond_control"]["control"] == dict.fromkeys(STATS, 0.0)
-        assert config["target"] in (0.02, 0.03)
-        assert isinstance(config["meets_target"], bool)
-        for key in ("wall_intervals", "cpu_intervals"):
-            found = config[key]
-            assert set(found["ci90"]) == set(VARIANTS)
-            assert all(low <= high for low, high in found["ci90"].values())
-            assert found["target_verdict"] in ("met", "missed", "undecided")
-            low, high = found["kept_beyond_floor_ci90"]
-            assert low <= high
+def test_keeping_smoke_writes_every_promised_number(tmp_path):
+    proc, result = run_benchmark(tmp_path, "keeping", "--smoke", "--instances", "2", "--ops")
+    assert "| kept |" in proc.stdout and "`kept - floor` per round" in proc.stdout
+    assert result["mode"] == "smoke" and result["backend"] == "tensorflow"
+    assert [(c["model"], c["jit_compile"]) for c in result["configs"]] == [
+        ("mlp_1m", False),
+        ("embedding", False),
+    ]
+    for config in result["configs"]:
+        _check_summary(config, KEEPING)
+        assert config["rounds"] == 2 and config["instances"] == 2
         # Kept beyond the floor, per round: (kept - floor) / plain.
-        for key, times in (
-            ("kept_beyond_floor", "seconds_per_step"),
-            ("cpu_kept_beyond_floor", "cpu_seconds_per_step"),
-        ):
-            t = {v: np.array(config[times][v]) for v in ("plain", "kept", "floor")}
-            per_round = (t["kept"] - t["floor"]) / t["plain"]
-            assert config[key]["median"] == np.percentile(per_round, 50)
+        (run,) = config["runs"]
+        t = {v: np.array(run[v])[:, 0] for v in ("plain", "kept", "floor")}
+        pair = config["wall"]["pairs"]["kept - floor"]
+        assert pair["median"] == pytest.approx(np.median((t["kept"] - t["floor"]) / t["plain"]))
+        verdict = config["verdicts"]["kept"]
+        assert verdict["target"] in (0.02, 0.03) and verdict["floor"] == "floor"
+        assert verdict["budget"] in ("met", "missed", "undecided")
+        assert verdict["against_floor"] in ("met", "missed")
+    # Smoke sizes: 16*32+32 + 32*10+10.
+    assert result["configs"][0]["params"] == 874
 
-    ops = {o["model"]: o for o in results["op_counts"]}
-    assert set(ops) == {"mlp_1m", "embedding"}
+    ops = {o["model"]: o for o in result["op_counts"]}
     for o in ops.values():
         assert o["off_equals_plain"] is True and o["off"] == o["plain"]
         assert o["kept_missing_ops"] == {}
@@ -90,24 +77,68 @@ def test_overhead_smoke_writes_every_promised_number(tmp_path):
     assert ops["mlp_1m"]["kept_extra_ops"]["AssignVariableOp"] == 4
     assert ops["embedding"]["kept_extra_ops"]["AssignVariableOp"] == 6
 
-    (memory,) = results["memory"]
-    assert memory["model"] == "mlp_1m" and memory["params"] == 874
-    for variant in ("plain", "kept"):
-        assert len(memory["peak_rss_mb"][variant]) == 1
-        assert memory["peak_rss_mb"][variant][0] > 0
-    assert isinstance(memory["extra_mb"], float)
+
+@pytest.mark.slow
+def test_processes_pool_their_rounds_and_pool_pools_runs(tmp_path):
+    args = ["keeping", "--smoke", "--models", "mlp_1m", "--variants", "kept", "floor"]
+    proc, result = run_benchmark(tmp_path, *args, "--processes", "2", out="two.json")
+    assert "process 2 of 2" in proc.stderr
+    (config,) = result["configs"]
+    assert (config["processes"], config["rounds"], len(config["runs"])) == (2, 4, 2)
+    medians = config["wall"]["beyond_control"]["kept"]["process_medians"]
+    assert medians["values"] == [
+        float(
+            np.median(
+                [(k[0] - c[0]) / p[0] for p, c, k in zip(r["plain"], r["control"], r["kept"])]
+            )
+        )
+        for r in config["runs"]
+    ]
+    assert medians["interval"]["coverage"] == 0.5  # 2 processes: their range
+
+    # `pool` pools runs made apart: here this one twice.
+    pooled = _run().main(["pool", str(tmp_path / "two.json"), str(tmp_path / "two.json")])
+    (again,) = pooled["configs"]
+    assert (again["processes"], again["rounds"]) == (4, 8)
+    assert again["runs"] == config["runs"] * 2
 
 
-def _overhead_module():
-    return load_benchmark("overhead")
+def test_pool_refuses_runs_that_do_not_match():
+    run = _run()
+    one = {"run": {v: [[1.0, 1.0]] for v in ("plain", "control", "kept")}}
+    a = {
+        "command": "keeping",
+        "backend": "tensorflow",
+        "configs": [dict(model="mlp_1m", base="plain", runs=[one["run"]])],
+    }
+    with pytest.raises(ValueError, match="must share their `command`"):
+        run.pool([a, dict(a, command="metrics")])
+    with pytest.raises(ValueError, match="share no config"):
+        run.pool([a, dict(a, configs=[dict(a["configs"][0], model="conv")])])
+    fewer = {v: t for v, t in one["run"].items() if v != "kept"}
+    with pytest.raises(ValueError, match="time different variants of mlp_1m"):
+        run.pool([a, dict(a, configs=[dict(a["configs"][0], runs=[fewer])])])
 
 
-def _stats_module():
-    return load_benchmark("overhead_stats")
+def test_child_processes_get_their_own_options():
+    run = _run()
+    argv = ["keeping", "--processes", "3", "--out=x.json", "--smoke", "--backend", "all", "--ops"]
+    assert run.child_argv(argv, processes=1, out="p.json") == [
+        "keeping",
+        "--smoke",
+        "--ops",
+        "--processes",
+        "1",
+        "--out",
+        "p.json",
+    ]
+    # Abbreviations would slip past that: the parsers refuse them.
+    with pytest.raises(SystemExit):
+        run.make_parser().parse_args(["keeping", "--proc", "3"])
 
 
 def test_pass_order_puts_every_key_at_every_position_equally_often():
-    stats = _stats_module()
+    stats = _stats()
     for n_variants, instances in ((4, 2), (5, 2), (2, 1), (7, 1)):
         keys = [(v, i) for i in range(instances) for v in range(n_variants)]
         n = len(keys)
@@ -120,67 +151,13 @@ def test_pass_order_puts_every_key_at_every_position_equally_often():
             # Over n rounds each (position, key) pair once: each key first
             # once in pass 0, right after the round's garbage collection.
             assert len(seen) == n * n and set(seen.values()) == {1}
-    # The passes of one round start at different keys.
     keys = list(range(8))
     assert stats.pass_order(keys, 3, 0, 2)[0] == 3
     assert stats.pass_order(keys, 3, 1, 2)[0] == 7
 
 
-def test_bootstrap_interval_spans_the_spread_between_model_objects():
-    stats = _stats_module()
-    # Seconds per step in each round, per (variant, instance). The machine
-    # slows down from round to round (1, 2, 4, 8) for every variant alike:
-    # drawn paired, rounds cancel out of each ratio; drawn apart, they would
-    # not. So only the draw of instances varies: kept's mean over its two is
-    # 1.25, 1.5 or 1.75 times plain's (probabilities 1/4, 1/2, 1/4), and its
-    # overhead over plain (control equal to plain) is 0.25, 0.5 or 0.75.
-    machine = np.array([1.0, 2.0, 4.0, 8.0])
-    fastest = {
-        ("plain", 0): machine,
-        ("plain", 1): machine,
-        ("control", 0): machine,
-        ("control", 1): machine,
-        ("kept", 0): 1.25 * machine,
-        ("kept", 1): 1.75 * machine,
-        ("recompute", 0): 2.0 * machine,
-        ("recompute", 1): 2.0 * machine,
-    }
-    variants = ["plain", "control", "kept", "recompute"]
-    samples = stats.bootstrap([fastest], variants, samples=400)
-    assert set(np.unique(samples["kept"])) == {0.25, 0.5, 0.75}
-    assert set(np.unique(samples["recompute"])) == {1.0}
-
-    found = stats.intervals(samples, target=0.5)
-    assert found["ci90"]["kept"] == [0.25, 0.75]
-    assert found["target_verdict"] == "undecided"
-    # recompute / kept: 4, 2 or 4/3; the 5th percentile is the worst, 4/3.
-    assert found["recompute_over_kept_low"] == 1.0 / 0.75
-    assert stats.intervals(samples, target=0.75)["target_verdict"] == "met"
-    assert stats.intervals(samples, target=0.125)["target_verdict"] == "missed"
-
-    # With a floor variant, kept's overhead beyond it: kept's mean is 1.25,
-    # 1.5 or 1.75 times plain's and the floor's always 1.25, so 0, 0.25 or 0.5.
-    fastest["floor", 0] = fastest["floor", 1] = 1.25 * machine
-    samples = stats.bootstrap([fastest], variants + ["floor"], samples=400)
-    assert set(np.unique(samples[stats.KEPT_BEYOND_FLOOR])) == {0.0, 0.25, 0.5}
-    found = stats.intervals(samples, target=0.5)
-    assert found["kept_beyond_floor_ci90"] == [0.0, 0.5]
-    assert set(found["ci90"]) == {"plain", "control", "kept", "recompute", "floor"}
-    assert (
-        stats.intervals(stats.bootstrap([fastest], variants, samples=10), target=0.5)[
-            "kept_beyond_floor_ci90"
-        ]
-        is None
-    )
-
-    # One instance: only the rounds are drawn; identical rounds leave no spread.
-    one = {k: v for k, v in fastest.items() if k[1] == 0}
-    samples = stats.bootstrap([one], variants, samples=50)
-    assert stats.intervals(samples, target=0.25)["ci90"]["kept"] == [0.25, 0.25]
-
-
 def test_median_interval_takes_the_order_statistics_of_its_coverage():
-    stats = _stats_module()
+    stats = _stats()
     # n = 10: [x_(j), x_(11-j)] covers the median with probability
     # 1 - 2 P(X < j), X ~ binomial(10, 1/2): j = 2 gives 1 - 2 * 11/1024
     # (0.979), j = 3 gives 1 - 2 * 56/1024 (0.891 < 0.90).
@@ -190,7 +167,6 @@ def test_median_interval_takes_the_order_statistics_of_its_coverage():
         "high": 9.0,
         "coverage": 1.0 - 2.0 * 11 / 1024,
     }
-    # At 0.89 the third order statistics do.
     assert stats.median_interval(values, level=0.89) == {
         "low": 3.0,
         "high": 8.0,
@@ -206,157 +182,144 @@ def test_median_interval_takes_the_order_statistics_of_its_coverage():
         stats.median_interval([])
 
 
-def test_bootstrap_over_processes_draws_whole_processes_before_rounds():
-    stats = _stats_module()
+def test_bootstrap_over_processes_draws_whole_processes():
+    stats = _stats()
+    # Process A ran 1 round at 0.25, B 3 rounds at 0.75. A replicate draws
+    # 2 processes: AA pools 2 rounds at 0.25 (median 0.25, probability
+    # 1/4); AB, BA, BB pool at least 3 rounds at 0.75 and at most 1 at
+    # 0.25 (median 0.75). The 5th and 95th percentiles: 0.25 and 0.75.
+    # Rounds drawn from one flat pool of 4 would also give 0.5.
+    assert stats.bootstrap_median([[0.25], [0.75, 0.75, 0.75]]) == [0.25, 0.75]
+    # One process: its rounds are drawn; equal rounds leave no spread.
+    assert stats.bootstrap_median([[0.5, 0.5, 0.5]]) == [0.5, 0.5]
+    low, high = stats.bootstrap_median([[0.0, 1.0, 2.0, 3.0, 4.0]])
+    assert 0.0 <= low < 2.0 < high <= 4.0
 
-    # Process A ran 1 round, B 3; one instance each, control equal to plain.
-    # Kept's overhead is 0.25 in A's round and 0.75 in each of B's. A
-    # replicate draws 2 processes: AA pools 2 rounds at 0.25 (median 0.25);
-    # AB, BA and BB pool at least 3 rounds at 0.75 and at most 1 at 0.25
-    # (median 0.75). Rounds drawn from one flat pool of 4 would also give
-    # 2 + 2, median 0.5: that value must never appear.
-    def run(machine, kept):
-        machine = np.asarray(machine)
-        return {("plain", 0): machine, ("control", 0): machine, ("kept", 0): kept * machine}
 
-    runs = [run([1.0], 1.25), run([1.0, 2.0, 4.0], 1.75)]
-    samples = stats.bootstrap(runs, ["plain", "control", "kept"], samples=400)
-    assert set(np.unique(samples["kept"])) == {0.25, 0.75}
-    # AA has probability 1/4.
-    assert 0.15 < np.mean(samples["kept"] == 0.25) < 0.35
-    assert set(np.unique(samples["control"])) == {0.0}
+def test_summary_divides_each_round_by_its_own_base_time():
+    stats = _stats()
+    # The machine slows down from round to round (1, 2, 4, 8) for every
+    # variant alike: paired per round, it cancels out of every ratio.
+    machine = np.array([1.0, 2.0, 4.0, 8.0])
 
-    # The combined config pools the rounds of both, in turn: per round
-    # 0.25, 0.75, 0.75, 0.75, so the median is 0.75.
-    found = stats.config_result(
-        [{k: np.stack([t, t], axis=1) for k, t in r.items()} for r in runs],
-        ["plain", "control", "kept"],
-        target=0.5,
+    def run(kept):
+        times = {"plain": machine, "control": machine, "kept": kept * machine}
+        times["floor"] = 1.25 * machine
+        return {v: np.stack([t, 2 * t, t], axis=1) for v, t in times.items()}
+
+    found = stats.summarize(
+        [run(1.25)],
+        "plain",
+        pairs=[("kept", "floor")],
+        targets={"kept": 0.2},
+        tolerance=0.0,
+        measures=("wall", "cpu", "hooks_seconds"),
     )
-    assert found["seconds_per_step"]["kept"] == [1.25, 1.75, 3.5, 7.0]
-    assert found["beyond_control"]["kept"]["median"] == 0.75
-    assert found["wall_intervals"]["ci90"]["kept"] == [0.25, 0.75]
-    assert found["wall_intervals"]["target_verdict"] == "undecided"
-    assert found["meets_target"] is False
+    kept = found["wall"]["beyond_control"]["kept"]
+    assert (kept["median"], kept["ci90"]) == (0.25, [0.25, 0.25])
+    assert found["cpu"]["ratio"]["kept"]["median"] == 1.25
+    pair = found["wall"]["pairs"]["kept - floor"]
+    assert (pair["median"], pair["ratio"]["median"]) == (0.0, 1.0)
+    assert found["step_ms"]["plain"] == 3e3  # median of 1, 2, 4, 8 s
+    assert found["hooks_seconds_per_step"]["kept"] == 3.75
+    # 0.25 beyond the control misses 0.2, but kept is at its floor.
+    assert found["verdicts"]["kept"] == {
+        "target": 0.2,
+        "budget": "missed",
+        "floor": "floor",
+        "tolerance": 0.0,
+        "against_floor": "met",
+    }
+
+    # Two processes: kept 0.25 beyond the control in one, 0.75 in the other.
+    found = stats.summarize([run(1.25), run(1.75)], "plain", targets={"kept": 0.5})
+    kept = found["wall"]["beyond_control"]["kept"]
+    assert kept["process_medians"]["values"] == [0.25, 0.75]
+    assert kept["ci90"] == [0.25, 0.75]
+    assert found["verdicts"]["kept"] == {"target": 0.5, "budget": "undecided"}
+    assert (found["processes"], found["rounds"]) == (2, 8)
 
 
 @pytest.mark.slow
-def test_overhead_in_processes_pools_their_rounds(tmp_path):
-    out = tmp_path / "processes.json"
-    proc, results = run_benchmark(
-        tmp_path,
-        "overhead.py",
-        "--smoke",
-        "--processes",
-        "2",
-        "--models",
-        "mlp_1m",
-        "--variants",
-        "kept",
-        "floor",
-        "--no-memory",
-        "--no-ops",
-        out="processes.json",
+def test_memory_smoke_measures_fresh_processes(tmp_path):
+    _, result = run_benchmark(tmp_path, "memory", "--smoke")
+    (memory,) = result["memory"]
+    assert (memory["model"], memory["params"], memory["allocator"]) == ("mlp_1m", 874, "mmap")
+    peaks = memory["peak_rss_mb"]
+    assert list(peaks) == ["plain", "kept"] and all(
+        len(v) == 1 and v[0] > 0 for v in peaks.values()
     )
-    assert "process 2 of 2:" in proc.stderr
-    assert "Each process alone (`--processes`)" in proc.stdout
-    assert results["complete"] is True
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["processes.json"]
-
-    runs = results["process_runs"]
-    assert len(runs) == 2
-    (config,) = results["configs"]
-    assert (config["model"], config["jit_compile"], config["processes"]) == ("mlp_1m", False, 2)
-    # 2 smoke rounds per process, pooled in process order.
-    assert config["rounds"] == 4
-    for variant in ("plain", "control", "kept", "floor"):
-        assert config["seconds_per_step"][variant] == (
-            runs[0]["configs"][0]["seconds_per_step"][variant]
-            + runs[1]["configs"][0]["seconds_per_step"][variant]
-        )
-    assert config["steps_per_pass_by_process"] == [
-        run["configs"][0]["steps_per_pass"] for run in runs
-    ]
-    assert [p["kept_beyond_control"] for p in config["per_process"]] == [
-        run["configs"][0]["beyond_control"]["kept"] for run in runs
-    ]
-    # The processes only timed: memory and op counts are the parent's
-    # (here turned off too).
-    assert all(run["memory"] == [] and run["op_counts"] == [] for run in runs)
-    assert all(run["mode"] == "smoke" for run in runs)
-
-    # `--combine` pools runs made apart: here this one and a copy whose
-    # processes also timed a config this one lacks, which is dropped.
-    other = json.loads(out.read_text())
-    for run in other["process_runs"]:
-        run["configs"].append(dict(run["configs"][0], jit_compile=True))
-    (tmp_path / "other.json").write_text(json.dumps(other))
-    combined_path = tmp_path / "combined.json"
-    overhead = _overhead_module()
-    overhead.main(
-        ["--combine", str(out), str(tmp_path / "other.json"), "--out", str(combined_path)]
-    )
-    combined = json.loads(combined_path.read_text())
-    assert combined["sources"] == [str(out), str(tmp_path / "other.json")]
-    (pooled,) = combined["configs"]
-    assert (pooled["jit_compile"], pooled["processes"], pooled["rounds"]) == (False, 4, 8)
-    for variant in ("plain", "control", "kept", "floor"):
-        assert pooled["seconds_per_step"][variant] == 2 * config["seconds_per_step"][variant]
-    assert pooled["per_process"] == 2 * config["per_process"]
-
-    other["process_runs"][0]["variants"] = ["plain", "control", "kept"]
-    (tmp_path / "other.json").write_text(json.dumps(other))
-    with pytest.raises(ValueError, match="differ in their variants"):
-        overhead.combine_files([str(out), str(tmp_path / "other.json")])
-    (tmp_path / "single.json").write_text(json.dumps({"configs": []}))
-    with pytest.raises(ValueError, match="single.json holds no process runs"):
-        overhead.combine_files([str(out), str(tmp_path / "single.json")])
+    assert memory["extra_mb"] == {"plain": 0.0, "kept": peaks["kept"][0] - peaks["plain"][0]}
 
 
-def test_a_process_of_processes_times_only_itself_whatever_the_spelling():
-    overhead = _overhead_module()
-    parser = overhead.make_parser()
-    for argv in (
-        ["--processes", "3"],
-        ["--processes=3"],
-        ["--proc", "3"],
-        ["--process=3", "--ou", "x.json"],
-    ):
-        args = parser.parse_args(
-            overhead.child_args(argv + ["--smoke", "--out", "y.json"], "p.json")
-        )
-        assert args.processes == 1, argv
-        assert args.out == "p.json", argv
-        assert args.smoke and args.no_memory and args.no_ops, argv
+@pytest.mark.slow
+def test_metrics_smoke_times_every_variant_against_the_reference(tmp_path):
+    proc, result = run_benchmark(tmp_path, "metrics", "--smoke", "--threads", "1")
+    (config,) = result["configs"]
+    _check_summary(config, ["reference", "control", "grad_norm", "per_layer", "all"])
+    assert config["params"] == 874 and config["rounds"] == 2 and result["threads"] == 1
+    assert config["verdicts"]["grad_norm"]["target"] == 0.02
+    assert "grad_norm: at most +2.0% beyond control" in proc.stdout
 
 
-def test_per_batch_overhead_smoke_reports_paired_ratios(tmp_path):
-    proc, results = run_benchmark(
-        tmp_path, "per_batch_overhead.py", "--smoke", out="per_batch.json"
-    )
-    assert "| model | params | batch | keras ms/step | kept / keras | all / keras " in proc.stdout
-    assert results["smoke"] is True
-    by_model = {r["model"]: r for r in results["results"]}
-    # Smoke sizes: Dense(8->4) + Dense(4->1) = 36 + 5; Dense(16->32) +
-    # Dense(32->10) = 544 + 330.
-    assert by_model["tiny"]["params"] == 41 and by_model["mlp_1m"]["params"] == 874
-    for r in by_model.values():
-        assert r["rounds"] == 2 and r["steps"] == 6
-        for measure in ("seconds", "cpu_seconds"):
-            assert set(r[measure]) == {"keras", "kept", "all"}
-            assert all(len(t) == 2 and min(t) > 0 for t in r[measure].values())
-        for key in ("ratios", "cpu_ratios"):
-            # Every ratio is against the same round's `keras` time.
-            assert r[key]["keras"] == {"median": 1.0, "q25": 1.0, "q75": 1.0}
-            assert r[key]["all"]["median"] > 0
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mirrored, floors",
+    [
+        (False, ["floor_window", "floor_window", "floor_dot", "floor_dot"]),
+        (True, ["floor_replicas", "floor_replicas", "floor_dot", "floor_dot"]),
+    ],
+)
+def test_dynamics_smoke_times_each_statistic_beside_its_floor(tmp_path, mirrored, floors):
+    args = ["dynamics", "--smoke"] + (["--mirrored"] if mirrored else [])
+    proc, result = run_benchmark(tmp_path, *args)
+    (config,) = result["configs"]
+    variants = ["reference", "control", "grad_norm", "noise_scale", "snr", "cosine"]
+    variants += ["cosine_per_layer", "floor_window", "floor_dot"]
+    _check_summary(config, variants + (["floor_replicas"] if mirrored else []))
+    assert config["replicas"] == (2 if mirrored else 1)
+    statistics = ("noise_scale", "snr", "cosine", "cosine_per_layer")
+    for statistic, floor in zip(statistics, floors):
+        assert f"{statistic} - {floor}" in config["wall"]["pairs"]
+        verdict = config["verdicts"][statistic]
+        assert (verdict["target"], verdict["floor"], verdict["tolerance"]) == (0.03, floor, 0.03)
+    assert "noise_scale: at most +3.0% beyond control" in proc.stdout
 
 
-def test_metric_overhead_smoke_times_every_variant_against_the_reference(tmp_path):
-    proc, result = run_benchmark(tmp_path, "metric_overhead.py", "--smoke", out="metric.json")
-    assert "GradientNorm: " in proc.stdout and "the 2% budget." in proc.stdout
-    # Smoke sizes: 16*32+32 + 32*16+16 + 16*10+10 = 1242 parameters.
-    assert result["params"] == 1242 and result["rounds"] == 2 and result["mode"] == "smoke"
-    assert list(result["variants"]) == ["reference", "control", "grad_norm", "per_layer", "all"]
-    reference = result["variants"]["reference"]
-    assert reference["ratio"] == {"median": 1.0, "q25": 1.0, "q75": 1.0}
-    assert all(v["step_ms"] > 0 for v in result["variants"].values())
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "setup, variants",
+    [
+        ("watched", ["plain", "control", "watched"]),
+        ("batch", ["plain", "control", "kept", "all"]),
+        ("epoch", ["none", "control", "keras_tb", "grad_tb", "keras_tb_1", "grad_tb_1", "monitor"]),
+    ],
+)
+def test_tensorboard_smoke_times_each_fit_and_its_writes(tmp_path, setup, variants):
+    _, result = run_benchmark(tmp_path, "tensorboard", "--smoke", "--setup", setup)
+    for config in result["configs"]:
+        _check_summary(config, variants)
+        assert config["setup"] == setup and config["steps"] in (3, 6)
+        hooks, written = config["hooks_seconds_per_step"], config["event_bytes_per_step"]
+        for v in variants:
+            # A variant with a TensorBoard writes and spends time in it;
+            # in `epoch` the base and the control have no callback.
+            writes = "tb" in v or v in ("plain", "kept", "watched", "all")
+            writes = writes or (v == "control" and setup != "epoch")
+            assert (written[v] > 0) == writes and (hooks[v] > 0) == (writes or v == "monitor")
+    assert [c["model"] for c in result["configs"]] == {
+        "watched": ["tiny", "mlp_1m_wide"],
+        "batch": ["mlp_6k", "mlp_1m"],
+        "epoch": ["mlp_1m"],
+    }[setup]
+
+
+@pytest.mark.slow
+def test_every_backend_runs_in_its_own_process(tmp_path):
+    _, result = run_benchmark(tmp_path, "tensorboard", "--smoke", "--backend", "all")
+    assert list(result["backends"]) == ["tensorflow", "jax", "torch"]
+    for backend, found in result["backends"].items():
+        assert found["backend"] == backend and backend in found["versions"]
+        assert [c["model"] for c in found["configs"]] == ["tiny", "mlp_1m_wide"]
+        for config in found["configs"]:
+            assert config["event_bytes_per_step"]["watched"] > 0

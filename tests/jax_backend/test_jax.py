@@ -416,17 +416,19 @@ def test_benchmark_smoke_and_the_xla_cost_of_keeping(tmp_path):
     import importlib.util
     import json
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "overhead_backends.py")
-    spec = importlib.util.spec_from_file_location("overhead_backends", path)
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "run.py")
+    spec = importlib.util.spec_from_file_location("bench_run", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"
-    bench.main(["--smoke", "--out", str(out)])
-    results = json.loads(out.read_text())["results"]
-    assert [r["model"] for r in results] == ["mlp_1m", "conv"]
-    for r in results:
-        assert r["rounds"] == 2 and len(r["ratios"]["kept"]) == 2
+    bench.main(["keeping", "--smoke", "--backend", "jax", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["backend"] == "jax" and "jax" in written["versions"]
+    configs = written["configs"]
+    assert [c["model"] for c in configs] == ["mlp_1m", "conv"]
+    for c in configs:
+        assert c["rounds"] == 2 and list(c["step_ms"]) == ["plain", "control", "kept"]
         # XLA's cost model of the compiled steps: keeping adds no
         # arithmetic, and moves at most one parameter-sized write more.
-        assert r["xla_flops"]["kept"] == r["xla_flops"]["plain"]
-        assert 0.0 <= r["extra_bytes_in_parameter_writes"] <= 1.0
+        assert c["xla"]["kept"]["flops"] == c["xla"]["plain"]["flops"]
+        assert 0.0 <= c["xla"]["extra_bytes_in_parameter_writes"] <= 1.0

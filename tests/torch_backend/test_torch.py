@@ -624,22 +624,23 @@ def test_benchmark_smoke_on_pytorch(tmp_path):
     import json
     import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "overhead_backends.py")
-    spec = importlib.util.spec_from_file_location("overhead_backends", path)
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "run.py")
+    spec = importlib.util.spec_from_file_location("bench_run", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"
-    bench.main(["--smoke", "--out", str(out)])
+    bench.main(["keeping", "--smoke", "--backend", "torch", "--out", str(out)])
     written = json.loads(out.read_text())
     assert written["versions"]["torch"] == torch.__version__
-    results = written["results"]
-    assert [r["model"] for r in results] == ["mlp_1m", "conv"]
-    for r in results:
-        assert r["rounds"] == 2 and len(r["ratios"]["kept"]) == 2
-        assert all(ratio > 0 for ratio in r["ratios"]["kept"] + r["ratios"]["control"])
-        # XLA's cost analysis is JAX's only.
-        assert "xla_flops" not in r
-    assert "XLA" not in written["table"]
+    configs = written["configs"]
+    assert [c["model"] for c in configs] == ["mlp_1m", "conv"]
+    for c in configs:
+        assert c["rounds"] == 2 and list(c["step_ms"]) == ["plain", "control", "kept", "floor"]
+        assert all(ms > 0 for ms in c["step_ms"].values())
+        # Kept beside its floor, one copy of every gradient; XLA's cost
+        # analysis is JAX's only.
+        assert "kept - floor" in c["wall"]["pairs"]
+        assert "xla" not in c
 
 
 class _ZeroingSGD(keras.optimizers.SGD):

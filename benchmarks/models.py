@@ -1,0 +1,407 @@
+"""The benchmarks' models and variants.
+
+`MODELS` (and `SMOKE_MODELS`, tiny ones of the same names) are Keras-only,
+so every backend builds the same models. A variant is the model class a
+timing compiles, its gradient metrics, or the callbacks its `fit` gets;
+`base` and `control` are always two identical plain models (or, for the
+metrics, two `KeepGradModel`s without gradient metrics).
+"""
+
+import collections
+
+import keras
+import numpy as np
+
+import keras_keepgrad as kg
+
+Spec = collections.namedtuple("Spec", "build batch_size shape vocab loss outputs")
+
+
+def mlp(width_in, hidden, outputs=10, batch_size=128, loss="sparse"):
+    def build():
+        inputs = keras.Input((width_in,))
+        h = inputs
+        for i, units in enumerate(hidden):
+            h = keras.layers.Dense(units, activation="relu", name=f"dense_{i}")(h)
+        return inputs, keras.layers.Dense(outputs, name="logits")(h)
+
+    return Spec(build, batch_size, (width_in,), None, loss, outputs)
+
+
+def conv(size, filters, dense, batch_size=64):
+    def build():
+        inputs = keras.Input((size, size, 3))
+        h = inputs
+        for i, f in enumerate(filters):
+            h = keras.layers.Conv2D(f, 3, activation="relu", name=f"conv_{i}")(h)
+            h = keras.layers.MaxPooling2D(name=f"pool_{i}")(h)
+        h = keras.layers.Flatten()(h)
+        h = keras.layers.Dense(dense, activation="relu", name="dense")(h)
+        return inputs, keras.layers.Dense(10, name="logits")(h)
+
+    return Spec(build, batch_size, (size, size, 3), None, "sparse", 10)
+
+
+def embedding(vocab, dim, length, batch_size=64):
+    def build():
+        inputs = keras.Input((length,), dtype="int32")
+        h = keras.layers.Embedding(vocab, dim, name="embedding")(inputs)
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        h = keras.layers.Dense(64, activation="relu", name="dense")(h)
+        return inputs, keras.layers.Dense(10, name="logits")(h)
+
+    return Spec(build, batch_size, (length,), vocab, "sparse", 10)
+
+
+MODELS = {
+    # 512*1024 + 1024*512 + 512*10 (+ biases) = 1.06M parameters.
+    "mlp_1m": mlp(512, [1024, 512]),
+    # 1024*2048 + 2*2048*2048 + 2048*10 (+ biases) = 10.5M parameters.
+    "mlp_10m": mlp(1024, [2048, 2048, 2048]),
+    # CIFAR-sized: conv 32, conv 64, dense 128: 0.32M parameters.
+    "conv": conv(32, [32, 64], 128),
+    # 3.2M parameters, a sparse gradient of batch * length = 4096 rows.
+    "embedding": embedding(50_000, 64, 64),
+    # 32 -> 64 -> 64 -> 1, mse: 6.3k parameters, 0.9 ms steps.
+    "mlp_6k": mlp(32, [64, 64], outputs=1, batch_size=64, loss="mse"),
+    # 16 -> 32 -> 32 -> 10: 1.9k parameters.
+    "tiny": mlp(16, [32, 32], batch_size=64),
+    # 256 -> 880 -> 880 -> 10: 1.01M parameters.
+    "mlp_1m_wide": mlp(256, [880, 880], batch_size=256),
+}
+SMOKE_MODELS = {
+    # 16*32+32 + 32*10+10 = 874 parameters.
+    "mlp_1m": mlp(16, [32], batch_size=8),
+    "mlp_10m": mlp(16, [32, 32], batch_size=8),
+    "conv": conv(8, [4], 8, batch_size=8),
+    "embedding": embedding(100, 4, 5, batch_size=8),
+    "mlp_6k": mlp(8, [4], outputs=1, batch_size=4, loss="mse"),
+    "tiny": mlp(8, [4, 4], batch_size=4),
+    "mlp_1m_wide": mlp(16, [32, 32], batch_size=8),
+}
+
+
+def batch_of(spec, batch_size=None, seed=0):
+    """A numpy `(x, y)` batch for `spec`."""
+    rng = np.random.default_rng(seed)
+    n = batch_size or spec.batch_size
+    if spec.vocab:
+        x = rng.integers(0, spec.vocab, (n, *spec.shape)).astype("int32")
+    else:
+        x = rng.random((n, *spec.shape), "float32")
+    if spec.loss == "mse":
+        return x, rng.random((n, spec.outputs), "float32")
+    return x, rng.integers(0, spec.outputs, (n,)).astype("int32")
+
+
+def loss_of(spec):
+    if spec.loss == "mse":
+        return "mse"
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+# `--optimizer`: Keras's Adam updates a whole embedding table every step
+# (the step is optimizer-bound); SGD updates only the batch's rows.
+OPTIMIZERS = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD}
+
+
+def compiled(spec, cls, weights=None, metrics=None, jit_compile="auto", optimizer="adam", **kw):
+    """A compiled `cls(inputs, outputs, **kw)` of `spec`, from `weights`."""
+    model = cls(*spec.build(), **kw)
+    if weights is not None:
+        model.set_weights(weights)
+    model.compile(
+        optimizer=OPTIMIZERS[optimizer](1e-4),
+        loss=loss_of(spec),
+        metrics=metrics,
+        jit_compile=jit_compile,
+    )
+    return model
+
+
+# What keeping costs: `keeping` times these against a plain `keras.Model`.
+KEEPING = ("plain", "control", "kept", "every10", "hand", "floor", "recompute")
+
+
+def keeping_model(variant, spec, weights, jit_compile, optimizer):
+    """`(model, callback or None)`: a compiled variant of `KEEPING` (or `off`)."""
+    backend = keras.backend.backend()
+    cls, kw, callback = keras.Model, {}, None
+    if variant == "kept":
+        cls = kg.KeepGradModel
+    elif variant == "every10":
+        cls, kw = kg.KeepGradModel, {"keep_every": 10}
+    elif variant == "off":
+        cls, kw = kg.KeepGradModel, {"keep_gradients": False}
+    elif variant in ("hand", "floor", "recompute") and backend != "tensorflow":
+        if (variant, backend) != ("floor", "torch"):
+            raise ValueError(f"Variant {variant!r} is timed on TensorFlow only.")
+        cls = _torch_floor_model()
+    elif variant in ("hand", "floor"):
+        cls = _tf_models()[variant]
+    elif variant not in ("plain", "control", "recompute"):
+        raise ValueError(f"Unknown variant: {variant!r}. Expected one of {KEEPING}.")
+    model = compiled(spec, cls, weights, jit_compile=jit_compile, optimizer=optimizer, **kw)
+    if variant in ("hand", "floor") and backend == "tensorflow":
+        model.make_slots()
+    if variant == "recompute":
+        callback = _recompute_callback(spec, jit_compile)
+    return model, callback
+
+
+def _tf_models():
+    import tensorflow as tf
+
+    class Holder:
+        """Holds slot variables out of sight of Keras's attribute tracking."""
+
+        def __init__(self, items):
+            self.items = items
+
+    class WithSlots(keras.Model):
+        def make_slots(self):
+            """One `tf.Variable` per trainable variable, made before training."""
+            self._slots = Holder(
+                [
+                    tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
+                    for v in self.trainable_variables
+                ]
+            )
+
+    class HandKeptModel(WithSlots):
+        """What a user writes without this library: Keras's documented
+        custom `train_step` plus one `assign` per variable into a
+        `tf.Variable` made beforehand (sparse gradients densified)."""
+
+        def train_step(self, data):
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+            variables = self.trainable_variables
+            grads = tape.gradient(loss, variables)
+            for slot, grad in zip(self._slots.items, grads):
+                slot.assign(tf.convert_to_tensor(grad))
+            self.optimizer.apply(grads, variables)
+            for metric in self.metrics:
+                if metric.name == "loss":
+                    metric.update_state(loss)
+                else:
+                    metric.update_state(y, y_pred, sample_weight=sample_weight)
+            return {m.name: m.result() for m in self.metrics}
+
+    class FloorModel(WithSlots):
+        """Keras's own `train_step`, then one parameter-sized write: the
+        floor of keeping anything. (Without XLA the assign shares the
+        weight's buffer, and the next update of the weight copies it.)"""
+
+        def train_step(self, data):
+            logs = super().train_step(data)
+            for slot, variable in zip(self._slots.items, self.trainable_variables):
+                slot.assign(variable.value, read_value=False)
+            return logs
+
+    return {"hand": HandKeptModel, "floor": FloorModel}
+
+
+def _torch_floor_model():
+    import torch
+
+    class CopyingModel(keras.Model):
+        """A plain model that copies every gradient after its step."""
+
+        def train_step(self, data):
+            logs = super().train_step(data)
+            with torch.no_grad():
+                self.copies = [v.value.grad.clone() for v in self.trainable_weights]
+            return logs
+
+    return CopyingModel
+
+
+def _recompute_callback(spec, jit_compile):
+    import tensorflow as tf
+
+    x, y = (tf.constant(a) for a in batch_of(spec))
+    loss_fn = loss_of(spec)
+    loss_fn = keras.losses.get(loss_fn) if isinstance(loss_fn, str) else loss_fn
+
+    class RecomputeGradients(keras.callbacks.Callback):
+        """Recomputes the batch's gradients after each step with a separate
+        forward and backward pass in a `tf.function`, as gradient-logging
+        callbacks (`WandbCallback(log_gradients=True)` and the like) do."""
+
+        def _grads(self):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, self.model(x, training=True))
+            return tape.gradient(loss, self.model.trainable_variables)
+
+        def on_train_batch_end(self, batch, logs=None):
+            if not hasattr(self, "_fn"):
+                self._fn = tf.function(self._grads, jit_compile=jit_compile)
+            self.gradients = self._fn()
+
+    return RecomputeGradients()
+
+
+# What gradient metrics cost on top of keeping: `metrics` and `dynamics`
+# time `KeepGradModel`s compiled with these against one without.
+METRICS = ("reference", "control", "grad_norm", "per_layer", "all")
+DYNAMICS = ("reference", "control", "grad_norm", "noise_scale", "snr", "cosine")
+DYNAMICS += ("cosine_per_layer", "floor_window", "floor_dot")
+# Each statistic's floor: the least parameter-sized work it must do, with
+# replicas in the process (no window) and without.
+FLOORS = {
+    "noise_scale": "floor_window",
+    "snr": "floor_window",
+    "cosine": "floor_dot",
+    "cosine_per_layer": "floor_dot",
+}
+MIRRORED_FLOORS = dict(FLOORS, noise_scale="floor_replicas", snr="floor_replicas")
+
+
+def gradient_metrics(variant):
+    """Fresh metric objects of a `METRICS` or `DYNAMICS` variant."""
+    m = kg.metrics
+    if variant.startswith("floor_"):
+        return [_floor_metric(variant)]
+    return {
+        "reference": [],
+        "control": [],
+        "grad_norm": [m.GradientNorm()],
+        "per_layer": [m.GradientNorm(per_layer=True)],
+        "all": [
+            m.GradientNorm(),
+            m.GradientNorm(per_layer=True, name="layer_norm"),
+            m.GradientMaxAbs(),
+            m.NonFiniteGradients(),
+            m.VanishingGradients(),
+            m.UpdateRatio(),
+        ],
+        "noise_scale": [m.GradientNoiseScale()],
+        "snr": [m.GradientSNR()],
+        "cosine": [m.GradientCosine()],
+        "cosine_per_layer": [m.GradientCosine(per_layer=True)],
+    }[variant]
+
+
+def _floor_metric(kind):
+    """The bare parameter-sized work of a statistic, as a gradient metric.
+
+    All three take the step's sums of squares (shared with `GradientNorm`).
+    `floor_window`: an `assign_add` of every gradient into a float32
+    buffer (read the gradient and the buffer, write the buffer): the noise
+    scale and the SNR on one device. `floor_dot`: `reduce_sum(g * h)` of
+    every gradient with its copy from the previous step (the fastest dot
+    product of two parameter-sized tensors found without XLA), and the copy
+    (an assignment, which shares the gradient's buffer): the cosine.
+    `floor_replicas`: the squared norms of each replica's partial gradient,
+    summed in one all-reduce of a scalar: the noise scale and the SNR with
+    replicas in the process.
+    """
+    import tensorflow as tf
+
+    from keras_keepgrad import _capture
+    from keras_keepgrad import _dynamics
+    from keras_keepgrad import _stats
+
+    class Floor(kg.metrics.GradientMetric):
+        def __init__(self):
+            super().__init__(fn=None, name=kind)
+            self._buffers = None
+
+        def _step_values(self, grads):
+            dense = {p: tf.cast(g, tf.float32) for p, g in grads.items()}
+            if self._buffers is None:
+                self._buffers = _dynamics._create(
+                    lambda: {
+                        p: _dynamics._local_variable(tf.zeros(g.shape)) for p, g in dense.items()
+                    }
+                )
+            value = tf.cast(tf.reduce_sum(_stats.shared_squares(grads)), tf.float32)
+            if kind == "floor_replicas":
+                partial = _capture.current_step().grads
+                local = tf.add_n([tf.nn.l2_loss(tf.cast(g, tf.float32)) for g in partial.values()])
+                context = tf.distribute.get_replica_context()
+                return {self.name: value + context.all_reduce(tf.distribute.ReduceOp.SUM, local)}
+            if kind == "floor_window":
+                for p, g in dense.items():
+                    self._buffers[p].assign_add(g, read_value=False)
+            else:
+                held = {p: tf.convert_to_tensor(b) for p, b in self._buffers.items()}
+                value += tf.add_n([tf.reduce_sum(g * held[p]) for p, g in dense.items()])
+                for p, g in dense.items():
+                    self._buffers[p].assign(g, read_value=False)
+            return {self.name: value}
+
+    return Floor()
+
+
+# What watching costs, per `fit`: `tensorboard` runs each setup's variants,
+# each `fit` with fresh callbacks and a fresh log directory.
+SETUPS = {
+    # Every backend: watching every batch against plain Keras's own
+    # TensorBoard writing every batch.
+    "watched": dict(
+        models=("tiny", "mlp_1m_wide"),
+        variants=("plain", "control", "watched"),
+        rounds=10,
+        steps=200,
+        epochs=1,
+    ),
+    # TensorFlow: everything at once, histograms too.
+    "batch": dict(
+        models=("mlp_6k", "mlp_1m"),
+        variants=("plain", "control", "kept", "all"),
+        rounds=5,
+        steps=1000,
+        epochs=2,
+    ),
+    # TensorFlow: GradientTensorBoard against Keras's TensorBoard, one
+    # KeepGradModel class for every variant.
+    "epoch": dict(
+        models=("mlp_1m",),
+        variants=(
+            "none",
+            "control",
+            "keras_tb",
+            "grad_tb",
+            "keras_tb_1",
+            "grad_tb_1",
+            "monitor",
+        ),
+        rounds=15,
+        steps=100,
+        epochs=2,
+    ),
+}
+
+
+def watch_variant(setup, variant, log_dir):
+    """`(model class, gradient metrics, callbacks)` of a `SETUPS` variant."""
+    cb, m = kg.callbacks, kg.metrics
+    if setup == "epoch":
+        return (
+            kg.KeepGradModel,
+            None,
+            {
+                "none": [],
+                "control": [],
+                "keras_tb": [keras.callbacks.TensorBoard(log_dir, update_freq="epoch")],
+                "grad_tb": [cb.GradientTensorBoard(log_dir, update_freq="epoch")],
+                "keras_tb_1": [keras.callbacks.TensorBoard(log_dir, update_freq=1)],
+                "grad_tb_1": [cb.GradientTensorBoard(log_dir, update_freq=1)],
+                "monitor": [cb.GradientMonitor()],
+            }[variant],
+        )
+    freq = dict(update_freq=1, histogram_freq=1 if setup == "batch" else 0)
+    if variant in ("plain", "control", "kept"):
+        cls = kg.KeepGradModel if variant == "kept" else keras.Model
+        return cls, None, [keras.callbacks.TensorBoard(log_dir, **freq)]
+    metrics = [m.GradientNorm()]
+    if variant == "all":
+        metrics.append(m.GradientNorm(per_layer=True))
+    elif variant != "watched":
+        raise ValueError(f"Unknown variant of {setup!r}: {variant!r}")
+    callbacks = [cb.GradientTensorBoard(log_dir, **freq), cb.GradientMonitor()]
+    return kg.KeepGradModel, metrics, callbacks
