@@ -22,7 +22,7 @@ received whatever later writes the parameter's `.grad` in place
 tensor read from `model.gradients` never changes afterwards. Unscaled
 gradients are new tensors already and are not copied again.
 
-When to copy was measured (`benchmarks/overhead_backends.py`, the 1M MLP
+When to copy was measured (`benchmarks/run.py keeping --backend torch`, the 1M MLP
 with Adam): copying right after `apply` costs what a bare copy of the
 gradients costs, while copying before it, or holding the `.grad` tensors
 themselves, added several percent more. But only a copy made before

@@ -82,8 +82,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     Cost: the norms come from statistics the training step computes once
     (`keras_keepgrad._stats`) and this callback reads as one small vector
-    per recorded step; see `benchmarks/per_batch_overhead.py` and
-    `benchmarks/tensorboard_overhead.py`. Histograms read every gradient.
+    per recorded step; see `benchmarks/run.py tensorboard --setup batch`
+    and `--setup epoch`. Histograms read every gradient.
 
     Args:
         log_dir: Str or path. The directory to write to, as for
