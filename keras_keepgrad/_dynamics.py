@@ -454,7 +454,8 @@ class GradientNoiseScale(_SmallBatches):
       over the replicas, `Q` the squared norm of the global gradient,
       `B_small` the per-replica batch and `B_big = R B_small`. Needs 2 or
       more replicas; one scalar per replica is all-reduced per step.
-    - Otherwise (one device, or worker processes): the big batch is the mean
+    - Otherwise (one device, worker processes, and on JAX and PyTorch,
+      `keras.distribution.DataParallel` included): the big batch is the mean
       of `accumulation_steps` = k consecutive steps' gradients, each step a
       small batch (`B_big = k B_small`), summed in one float32 buffer the
       size of the trainable variables. An estimate comes every k steps. The
@@ -473,6 +474,11 @@ class GradientNoiseScale(_SmallBatches):
     The estimate persists across epochs (it is not reset at an epoch's
     start): the logged value is the current smoothed estimate, NaN in an
     epoch before the first estimate is complete.
+
+    Runs on TensorFlow, JAX and PyTorch, with the same numbers. Its state
+    is never in `model.weights` or saved files; on JAX it is made when
+    `fit` builds the training function, so the metric must be compiled
+    into the model.
 
     Args:
         accumulation_steps: Int, at least 2. Steps whose gradients form the
@@ -601,10 +607,12 @@ class GradientSNR(_PerLayerMixin, _SmallBatches):
     The small batches are the replicas' batches under a `tf.distribute`
     strategy with 2 or more replicas in this process (each replica's
     gradient is R times its partial one, and `m` is the global gradient),
-    otherwise the last `accumulation_steps` steps, used as micro-batches
+    otherwise (one device, and on JAX and PyTorch, `keras.distribution`
+    included) the last `accumulation_steps` steps, used as micro-batches
     (one value every k steps; the weights move between them, which adds
     their drift to the noise). It is `inf` where the small batches agree
     exactly, NaN for a layer with zero gradients. Needs no batch size.
+    Runs on TensorFlow, JAX and PyTorch.
     With `reduction="mean"`, an epoch in which no window completes (fewer
     steps than `accumulation_steps`) logs NaN.
 
@@ -671,7 +679,8 @@ class GradientCosine(_PerLayerMixin, _DynamicsMetric):
     and persists it across epochs, so an epoch's first step is compared
     with the previous epoch's last. The first training step has nothing to
     compare with and is not counted (an epoch of that step alone logs NaN).
-    The cosine is NaN where either gradient is all zeros.
+    The cosine is NaN where either gradient is all zeros. Runs on
+    TensorFlow, JAX and PyTorch.
 
     Args:
         per_layer: Bool. One value per layer instead of one global value.
