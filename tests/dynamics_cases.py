@@ -264,6 +264,32 @@ def snr_per_layer_and_global_over_windows_of_two(mode=None):
     assert history["snr"] == [pytest.approx((math.sqrt(0.5) + math.sqrt(26 / 340)) / 2, rel=1e-6)]
 
 
+def state_is_made_anew_for_other_trainable_variables(mode=None):
+    # Steps 1-4 train both layers. Then "b" is frozen and the model
+    # recompiled: the state is made anew for "a" alone, whose gradients
+    # 6, -2, 16, -6 give the cosines -1, -1, -1 (the new state's first
+    # step has no predecessor).
+    cosine = kgm.GradientCosine(per_layer=True, name="cos")
+    model, _ = fit_two_input([cosine], mode=mode)
+    model.get_layer("b").trainable = False
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", metrics=[cosine], **(mode or {}))
+    history = model.fit(
+        [TWO_INPUT_DATA[:, :1], TWO_INPUT_DATA[:, 1:2]],
+        TWO_INPUT_DATA[:, 2:],
+        batch_size=1,
+        shuffle=False,
+        verbose=0,
+    ).history
+    assert history["cos/a"] == [-1.0] and "cos/b" not in history
+    state = cosine._holder.variables
+    assert list(state["buffers"]) == ["a/kernel"]
+    # Off TensorFlow the state is the metric's own variables: the old
+    # buffers are no longer among them. (The count, the steps counted and
+    # one sum per layer key, then the buffer and the counters.)
+    own = 4 + (0 if keras.backend.backend() == "tensorflow" else 2)
+    assert len(cosine.variables) == own
+
+
 # Run in every mode (eager, graph, jit) ...
 MODE_CASES = [
     noise_scale_and_snr_over_a_window_of_two_steps,
@@ -278,6 +304,7 @@ CASES = [
     cosine_compares_an_epochs_first_step_with_the_previous_epochs_last,
     cosine_epoch_of_one_first_step_logs_nan,
     snr_per_layer_and_global_over_windows_of_two,
+    state_is_made_anew_for_other_trainable_variables,
 ]
 
 
