@@ -69,6 +69,7 @@ __all__ = [
     "functional_structure",
     "in_symbolic_build",
     "replace_metric_variable",
+    "untrack_metric_variables",
 ]
 
 
@@ -147,6 +148,16 @@ def in_symbolic_build():
     stateless scope too.
     """
     return in_symbolic_scope()
+
+
+def untrack_metric_variables(metric, variables):
+    """Removes `variables` from `metric.variables` (its state made anew).
+
+    Keras 3.15's `Metric` tracks what `add_variable` made in its private
+    `_variables` list and offers no way to remove one.
+    """
+    stale = {id(v) for v in variables}
+    metric._variables[:] = [v for v in metric._variables if id(v) not in stale]
 
 
 def tf_optimizer_class():

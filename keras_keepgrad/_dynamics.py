@@ -3,10 +3,11 @@
 Each compares gradients of several batches at once, which a single kept
 gradient cannot give: where a `tf.distribute` strategy trains several
 replicas in this process, every replica's partial gradient is one small
-batch and the global gradient their mean; on one device (and across worker
-processes, where the step all-reduces before anything is kept) the last
-`accumulation_steps` steps' gradients are the small batches, summed in one
-float32 buffer per trainable variable.
+batch and the global gradient their mean; otherwise (one device, worker
+processes, where the step all-reduces before anything is kept, and on JAX
+and PyTorch, `keras.distribution` included) the last `accumulation_steps`
+steps' gradients are the small batches, summed in one float32 buffer per
+trainable variable.
 
 The small-batch gradients and their batch sizes, in Keras's terms. Keras
 scales each replica's loss by `1 / R` (R replicas), so that the replicas'
@@ -20,6 +21,16 @@ small batches, their mean squared norm `S = mean_i |g_i|^2` and
 weights, `E[S] = |G|^2 + tr(Sigma) / B_small` and
 `E[Q] = |G|^2 + tr(Sigma) / B_big`, with `B_small = 1 / mean_i(1 / b_i)` and
 `B_big = n * B_small` (equal batches: `B_small = b`, `B_big = n b`).
+
+The arithmetic is written once: on JAX and PyTorch `tf` is `_ops.tf_ops`,
+the same functions in `keras.ops`, as in `metrics.py`. The state differs:
+on TensorFlow it is plain `tf.Variable`s, one local copy per replica, kept
+out of Keras's tracking (`_Holder`); on JAX and PyTorch it is the metric's
+own Keras variables (`add_variable`), which the JAX step threads through
+as metrics variables, so they are made before the step is traced
+(`_build_for`). Keras saves no metric's variables in its files, and
+`reset_state` (`GradientMetric`'s) resets only the epoch's sums: the
+window, the previous gradient and the moving averages persist.
 """
 
 import math
@@ -27,18 +38,25 @@ import numbers
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from keras_keepgrad import _capture
 from keras_keepgrad import _checks
-from keras_keepgrad import _keeper
-from keras_keepgrad import _stats
+from keras_keepgrad import _compat
 from keras_keepgrad.metrics import GradientMetric
 from keras_keepgrad.metrics import _float32
 from keras_keepgrad.metrics import _group_by_layer
 from keras_keepgrad.metrics import _Holder
 from keras_keepgrad.metrics import _PerLayerMixin
 from keras_keepgrad.metrics import _sum_of_squares
+
+if _compat.BACKEND == "tensorflow":
+    import tensorflow as tf
+
+    from keras_keepgrad import _keeper
+    from keras_keepgrad._stats import shared_squares as _shared_squares
+else:
+    from keras_keepgrad._ops import shared_squares as _shared_squares
+    from keras_keepgrad._ops import tf_ops as tf
 
 __all__ = [
     "GradientCosine",
@@ -47,13 +65,15 @@ __all__ = [
     "tensorboard_charts",
 ]
 
+_TENSORFLOW = _compat.BACKEND == "tensorflow"
 
-def _local_variable(value, dtype=tf.float32):
+
+def _local_variable(value, dtype=None):
     # One copy per replica, updated by that replica alone: every replica
     # computes the same values (from all-reduced statistics), so no copy
     # needs the others'. Out of Keras's tracking: see `_Holder`.
     return tf.Variable(
-        tf.cast(value, dtype),
+        tf.cast(value, dtype or tf.float32),
         trainable=False,
         synchronization=tf.VariableSynchronization.ON_READ,
         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
@@ -80,8 +100,28 @@ def _create(fn):
     return create()
 
 
+def _read(variable):
+    return tf.convert_to_tensor(variable)
+
+
+def _assign(variable, value):
+    if _TENSORFLOW:
+        variable.assign(value, read_value=False)
+    else:
+        variable.assign(value)
+
+
+def _assign_add(variable, value):
+    if _TENSORFLOW:
+        variable.assign_add(value, read_value=False)
+    else:
+        variable.assign_add(value)
+
+
 def _replica_context():
     """The replica context if this step's kept gradients are partial ones."""
+    if not _TENSORFLOW:
+        return None
     step = _capture.current_step()
     context = tf.distribute.get_replica_context()
     if step is None or step.reduced or context is None or context.num_replicas_in_sync < 2:
@@ -89,29 +129,34 @@ def _replica_context():
     return context
 
 
-def _replicas_in_process(strategy):
-    """Whether a step under `strategy` keeps each replica's partial gradient."""
+def _replicas_in_process():
+    """Whether a step keeps each replica's partial gradient (TensorFlow's
+    strategies only: under `keras.distribution` on JAX the step computes the
+    global batch's gradient at once)."""
+    if not _TENSORFLOW:
+        return False
+    strategy = tf.distribute.get_strategy()
     return strategy.num_replicas_in_sync > 1 and not _keeper.reduces_in_step(strategy)
 
 
 def _batch_size(y_true, y_pred):
     """The number of examples in this replica's batch, as float32."""
     for structure in (y_pred, y_true):
-        for t in tf.nest.flatten(structure):
+        for t in keras.tree.flatten(structure):
             if t is not None and getattr(t, "shape", None) is not None and len(t.shape) > 0:
-                return tf.cast(tf.shape(t)[0], tf.float32)
+                return tf.cast(keras.ops.shape(t)[0], tf.float32)
     return None
 
 
 def _group_squares(grads, groups):
     """float32 `[groups]`: each group's sum of squared gradient entries.
 
-    From the step's per-variable sums (`_stats.shared_squares`), which the
-    norm metrics and the callbacks' statistics of the same step share: a
+    From the step's per-variable sums (`shared_squares`), which the norm
+    metrics and the callbacks' statistics of the same step share: a
     statistic that needs them adds no pass over the gradients of its own
     where one of those asked for them too.
     """
-    squares = _stats.shared_squares(grads)
+    squares = _shared_squares(grads)
     if len(groups) == 1:
         return tf.cast(tf.reduce_sum(squares), tf.float32)[None]
     position = {p: i for i, p in enumerate(grads)}
@@ -135,6 +180,36 @@ def _after_optimizer_updates():
     return [tf.convert_to_tensor(v.value) for v in variables.values()]
 
 
+def _add_to_window(sums, dense, first):
+    """Adds this step's gradients to the window's sums; `first` (a bool
+    tensor) starts a new window with them."""
+    paths = list(dense)
+
+    def start():
+        # A window's first gradient is assigned: on TensorFlow the buffer
+        # shares its memory (without XLA), where zeroing it would write it.
+        for p in paths:
+            _assign(sums[p], dense[p])
+        return tf.constant(True)
+
+    def accumulate():
+        for p in paths:
+            _assign_add(sums[p], dense[p])
+        return tf.constant(False)
+
+    if _compat.BACKEND == "jax":
+        # The step is a pure function (also run eagerly): no branch on a
+        # traced value, and an assignment is a new value anyway.
+        for p in paths:
+            _assign(sums[p], keras.ops.where(first, dense[p], _read(sums[p]) + dense[p]))
+    elif tf.executing_eagerly():
+        # PyTorch's step, and TensorFlow's with `run_eagerly=True`.
+        (start if bool(first) else accumulate)()
+    else:
+        with tf.control_dependencies(_after_optimizer_updates()):
+            tf.cond(first, start, accumulate)
+
+
 def _check_steps(name, value):
     if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 2:
         return int(value)
@@ -152,41 +227,61 @@ class _DynamicsMetric(GradientMetric):
     """
 
     def __init__(self, **kwargs):
-        backend = keras.backend.backend()
-        if backend != "tensorflow":
-            # Its state is TensorFlow's (one copy per replica).
-            raise NotImplementedError(
-                f"{type(self).__name__} runs on the TensorFlow backend only. "
-                f"Received: KERAS_BACKEND={backend!r}. Use "
-                "KERAS_BACKEND=tensorflow for it; the other gradient metrics "
-                "run on TensorFlow, JAX and PyTorch."
-            )
         super().__init__(fn=None, **kwargs)
         self._counted = self.add_variable(
             shape=(), initializer="zeros", aggregation="mean", name="counted"
         )
         self._holder = _Holder()
 
+    def _zeros(self, shapes, name):
+        """New float32 variables of zeros, one per shape: the metric's state.
+
+        On TensorFlow plain local variables (`_local_variable`), made
+        outside the step being traced; on JAX and PyTorch the metric's own
+        variables, which JAX's step must find among the metrics variables
+        it was given: made before it is traced.
+        """
+        if _TENSORFLOW:
+            return _create(lambda: [_local_variable(tf.zeros(s)) for s in shapes])
+        if _compat.BACKEND == "jax" and _capture.current_step() is not None:
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r} needs state for the "
+                "variables whose gradients this step keeps, which on JAX must "
+                "be made before the training step is traced, from the "
+                "model's trainable variables. Received: a step that keeps "
+                "other variables than those it was made for, or a metric "
+                "that is not compiled into the model. Compile it into the "
+                "model (`compile(metrics=[...])`) and pass every trainable "
+                "variable's gradient to an optimizer."
+            )
+        return [
+            self.add_variable(
+                shape=tuple(s), initializer="zeros", aggregation="only_first_replica", name=name
+            )
+            for s in shapes
+        ]
+
+    def _drop(self, variables):
+        """Stops tracking variables of a state that was made anew."""
+        if not _TENSORFLOW and variables:
+            _compat.untrack_metric_variables(self, variables)
+
     def _parameter_state(self, paths, shapes, counters):
         """The metric's buffers, made for these variable paths and shapes.
 
         `{"buffers": {path: float32 variable of its shape}, "counters":
         float32 variable [groups + counters]}`, remade when the paths or
-        shapes change; one copy per replica (`_local_variable`).
+        shapes change.
         """
         state = self._holder.variables
         made_for = dict(zip(tuple(paths), (tuple(s) for s in shapes)))
         if state.get("paths") != made_for:
             size = len(self._groups(list(made_for))) + counters
-
-            def make():
-                return {
-                    "buffers": {p: _local_variable(tf.zeros(s)) for p, s in made_for.items()},
-                    "counters": _local_variable(tf.zeros((size,))),
-                }
-
-            state.update(_create(make))
-            state["paths"] = made_for
+            old = [*state.get("buffers", {}).values()]
+            old += [state["counters"]] if "counters" in state else []
+            *buffers, counter = self._zeros([*made_for.values(), (size,)], "window")
+            self._drop(old)
+            state.update(buffers=dict(zip(made_for, buffers)), counters=counter, paths=made_for)
         return state
 
     def _measure(self, grads):
@@ -250,8 +345,7 @@ class _SmallBatches(_DynamicsMetric):
 
     def _build_for(self, variables):
         super()._build_for(variables)
-        strategy = tf.distribute.get_strategy()
-        if not _replicas_in_process(strategy):
+        if not _replicas_in_process():
             self._window_state([v.path for v in variables], [v.shape for v in variables])
 
     def _window_state(self, paths, shapes):
@@ -297,38 +391,25 @@ class _SmallBatches(_DynamicsMetric):
         n_groups = len(groups)
         batch = self._step_batch_size() if self._needs_batch_size else tf.constant(1.0)
         this_step = tf.concat(
-            [_group_squares(grads, groups), tf.stack([1.0 / tf.maximum(batch, 1.0), 1.0])], 0
+            [
+                _group_squares(grads, groups),
+                tf.stack([1.0 / tf.maximum(batch, 1.0), tf.constant(1.0)]),
+            ],
+            0,
         )
-        before = state["counters"].read_value()
+        before = _read(state["counters"])
         totals = before + this_step
         ready = tf.equal(totals[-1], k)
         sums = state["buffers"]
-
-        def start():
-            # A window's first gradient is assigned: the buffer shares its
-            # memory (without XLA), where zeroing it would write it.
-            for p in paths:
-                sums[p].assign(dense[p], read_value=False)
-            return tf.constant(True)
-
-        def accumulate():
-            for p in paths:
-                sums[p].assign_add(dense[p], read_value=False)
-            return tf.constant(False)
-
-        if tf.executing_eagerly():
-            (start if bool(before[-1] == 0.0) else accumulate)()
-        else:
-            with tf.control_dependencies(_after_optimizer_updates()):
-                tf.cond(tf.equal(before[-1], 0.0), start, accumulate)
+        _add_to_window(sums, dense, tf.equal(before[-1], 0.0))
 
         def complete():
             # |mean g_i|^2 of the window, once per window.
-            big = [_sum_of_squares([sums[p].read_value() for p in ps]) for ps in groups.values()]
+            big = [_sum_of_squares([_read(sums[p]) for p in ps]) for ps in groups.values()]
             return tf.stack(big) / (k * k)
 
         big = tf.cond(ready, complete, lambda: tf.zeros((n_groups,)))
-        state["counters"].assign(totals * (1.0 - tf.cast(ready, tf.float32)), read_value=False)
+        _assign(state["counters"], totals * (1.0 - tf.cast(ready, tf.float32)))
         return totals[:n_groups] / k, big, totals[n_groups] / k, tf.constant(k), ready
 
     _needs_batch_size = True
@@ -373,7 +454,8 @@ class GradientNoiseScale(_SmallBatches):
       over the replicas, `Q` the squared norm of the global gradient,
       `B_small` the per-replica batch and `B_big = R B_small`. Needs 2 or
       more replicas; one scalar per replica is all-reduced per step.
-    - Otherwise (one device, or worker processes): the big batch is the mean
+    - Otherwise (one device, worker processes, and on JAX and PyTorch,
+      `keras.distribution.DataParallel` included): the big batch is the mean
       of `accumulation_steps` = k consecutive steps' gradients, each step a
       small batch (`B_big = k B_small`), summed in one float32 buffer the
       size of the trainable variables. An estimate comes every k steps. The
@@ -392,6 +474,11 @@ class GradientNoiseScale(_SmallBatches):
     The estimate persists across epochs (it is not reset at an epoch's
     start): the logged value is the current smoothed estimate, NaN in an
     epoch before the first estimate is complete.
+
+    Runs on TensorFlow, JAX and PyTorch, with the same numbers. Its state
+    is never in `model.weights` or saved files; on JAX it is made when
+    `fit` builds the training function, so the metric must be compiled
+    into the model.
 
     Args:
         accumulation_steps: Int, at least 2. Steps whose gradients form the
@@ -457,13 +544,9 @@ class GradientNoiseScale(_SmallBatches):
     def _averages(self):
         state = self._holder.variables
         if "average" not in state:
-
-            def make():
-                # Moving averages of |G|^2 and tr(Sigma), and 1 - smoothing^m
-                # after m estimates (the debiasing factor).
-                return {"average": _local_variable(tf.zeros((3,)))}
-
-            state.update(_create(make))
+            # Moving averages of |G|^2 and tr(Sigma), and 1 - smoothing^m
+            # after m estimates (the debiasing factor).
+            (state["average"],) = self._zeros([(3,)], "average")
         return state["average"]
 
     def _build_for(self, variables):
@@ -480,10 +563,10 @@ class GradientNoiseScale(_SmallBatches):
         trace = n * (small - big) / ((n - 1.0) * inverse)
         average = self._averages()
         beta = self.smoothing
-        previous = average.read_value()
-        new = beta * previous + (1.0 - beta) * tf.stack([grad_sq, trace, 1.0])
+        previous = _read(average)
+        new = beta * previous + (1.0 - beta) * tf.stack([grad_sq, trace, tf.constant(1.0)])
         new = tf.where(ready, new, previous)
-        average.assign(new)
+        _assign(average, new)
         grad_sq, trace = new[0] / new[2], new[1] / new[2]
         values = {self.name: trace / grad_sq}
         if self.components:
@@ -524,10 +607,12 @@ class GradientSNR(_PerLayerMixin, _SmallBatches):
     The small batches are the replicas' batches under a `tf.distribute`
     strategy with 2 or more replicas in this process (each replica's
     gradient is R times its partial one, and `m` is the global gradient),
-    otherwise the last `accumulation_steps` steps, used as micro-batches
+    otherwise (one device, and on JAX and PyTorch, `keras.distribution`
+    included) the last `accumulation_steps` steps, used as micro-batches
     (one value every k steps; the weights move between them, which adds
     their drift to the noise). It is `inf` where the small batches agree
     exactly, NaN for a layer with zero gradients. Needs no batch size.
+    Runs on TensorFlow, JAX and PyTorch.
     With `reduction="mean"`, an epoch in which no window completes (fewer
     steps than `accumulation_steps`) logs NaN.
 
@@ -594,7 +679,8 @@ class GradientCosine(_PerLayerMixin, _DynamicsMetric):
     and persists it across epochs, so an epoch's first step is compared
     with the previous epoch's last. The first training step has nothing to
     compare with and is not counted (an epoch of that step alone logs NaN).
-    The cosine is NaN where either gradient is all zeros.
+    The cosine is NaN where either gradient is all zeros. Runs on
+    TensorFlow, JAX and PyTorch.
 
     Args:
         per_layer: Bool. One value per layer instead of one global value.
@@ -638,18 +724,19 @@ class GradientCosine(_PerLayerMixin, _DynamicsMetric):
         dense = {p: _float32(grads[p]) for p in paths}
         state = self._previous(paths, [dense[p].shape for p in paths])
         groups = self._groups(paths)
-        held = {p: tf.convert_to_tensor(state["buffers"][p]) for p in paths}
+        held = {p: _read(state["buffers"][p]) for p in paths}
         dots = tf.stack(
             [tf.add_n([tf.reduce_sum(dense[p] * held[p]) for p in ps]) for ps in groups.values()]
         )
         squares = tf.concat([_group_squares(grads, groups), tf.ones((1,))], 0)
-        previous = state["counters"].read_value()
+        previous = _read(state["counters"])
         cosine = dots / tf.sqrt(squares[:-1] * previous[:-1])
         primed = previous[-1] > 0.0
-        # Without XLA the assignment shares the gradient's buffer, as slots do.
+        # On TensorFlow without XLA the assignment shares the gradient's
+        # buffer, as slots do.
         for p in paths:
-            state["buffers"][p].assign(dense[p], read_value=False)
-        state["counters"].assign(squares, read_value=False)
+            _assign(state["buffers"][p], dense[p])
+        _assign(state["counters"], squares)
         return {key: cosine[i] for i, key in enumerate(groups)}, primed
 
     def get_config(self):

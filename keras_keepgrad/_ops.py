@@ -1,8 +1,8 @@
 """The gradient metrics' arithmetic in `keras.ops`, off TensorFlow.
 
-Backend-neutral: on JAX and PyTorch, `metrics.py` imports `tf_ops` as
-`tf`, so that its arithmetic is written once for every backend, and
-`shared_squares` for the norm metrics. Nothing here imports TensorFlow.
+Backend-neutral: on JAX and PyTorch, `metrics.py` and `_dynamics.py`
+import `tf_ops` as `tf`, so that their arithmetic is written once for every
+backend, and `shared_squares` for the norm metrics. Nothing here imports TensorFlow.
 """
 
 import contextlib
@@ -20,7 +20,8 @@ class _TensorFlowSubset:
     """The few TensorFlow functions the gradient metrics use, in `keras.ops`.
 
     Same names and semantics, so that the metrics' arithmetic is written
-    once for every backend (`metrics.py` imports this as `tf` off TensorFlow).
+    once for every backend (`metrics.py` and `_dynamics.py` import this as
+    `tf` off TensorFlow).
     """
 
     float32 = "float32"
@@ -42,9 +43,29 @@ class _TensorFlowSubset:
             safe = ops.where(ops.equal(b, 0.0), ops.ones_like(b), b)
             return ops.where(ops.equal(b, 0.0), ops.zeros_like(a), a / safe)
 
+        @staticmethod
+        def unsorted_segment_sum(data, segment_ids, num_segments):
+            return ops.segment_sum(data, segment_ids, num_segments=num_segments)
+
     @staticmethod
     def cast(t, dtype):
         return ops.cast(t, dtype)
+
+    @staticmethod
+    def zeros(shape):
+        return ops.zeros(shape, "float32")
+
+    @staticmethod
+    def ones(shape):
+        return ops.ones(shape, "float32")
+
+    @staticmethod
+    def concat(tensors, axis):
+        return ops.concatenate(tensors, axis=axis)
+
+    @staticmethod
+    def equal(x, y):
+        return ops.equal(x, y)
 
     @staticmethod
     def add_n(tensors):
@@ -62,6 +83,8 @@ class _TensorFlowSubset:
     def convert_to_tensor(value, dtype=None):
         return ops.convert_to_tensor(value, dtype=dtype)
 
+    # `where` and `maximum` also take a metric's variable, which JAX's
+    # traced step must read as its mapped value.
     @staticmethod
     def identity(t):
         # A new tensor, as `tf.identity` reads a variable's value: PyTorch
@@ -70,11 +93,11 @@ class _TensorFlowSubset:
 
     @staticmethod
     def where(condition, x, y):
-        return ops.where(condition, x, y)
+        return ops.where(condition, _value(x), _value(y))
 
     @staticmethod
     def maximum(x, y):
-        return ops.maximum(x, y)
+        return ops.maximum(_value(x), _value(y))
 
     @staticmethod
     def reduce_max(t):
@@ -113,6 +136,10 @@ class _TensorFlowSubset:
 
 
 tf_ops = _TensorFlowSubset
+
+
+def _value(x):
+    return ops.convert_to_tensor(x) if isinstance(x, keras.Variable) else x
 
 
 _latest = threading.local()

@@ -10,6 +10,7 @@ mse. loss = mean((w*x)^2), so d/dw = 5w = 15; with SGD(0.1) w' = 1.5, then
 5w' = 7.5, then 3.75.
 """
 
+import dynamics_cases as cases
 import h5py
 import keras
 import numpy as np
@@ -652,12 +653,6 @@ def test_callbacks_read_every_step(tmp_path, dtype):
     assert monitor.events == []  # nothing non-finite, vanishing or exploding
 
 
-@pytest.mark.parametrize("name", ["GradientNoiseScale", "GradientSNR", "GradientCosine"])
-def test_training_dynamics_metrics_raise_naming_tensorflow(name):
-    with pytest.raises(NotImplementedError, match="runs on the TensorFlow backend only"):
-        getattr(kg.metrics, name)()
-
-
 @pytest.mark.parametrize("own_step", [False, True], ids=["keras_step", "own_step"])
 def test_snapshot_of_a_model_built_by_its_first_batch(tmp_path, own_step):
     # 5w = 15, then w = 3 - 0.1 * 15 = 1.5 and 5w = 7.5.
@@ -702,3 +697,33 @@ def test_metrics_of_a_model_built_by_its_first_batch(own_step):
     with pytest.raises(ValueError, match="same name 'grad_norm/net/dense_0'"):
         model.fit(X, Y, batch_size=2, verbose=0)
     assert model.dense.kernel.numpy().tolist() == [[1.5]]  # checked before the update
+
+
+# The training-dynamics metrics: the cases of `test_dynamics.py`, with the
+# same numbers (derivations in `dynamics_cases.py`) ---------------------------
+
+
+@pytest.mark.parametrize(
+    "index", range(len(cases.ARGUMENTS)), ids=[a["name"] for a in cases.ARGUMENTS]
+)
+def test_dynamics_config_round_trip(index):
+    cases.config_round_trip(cases.all_metrics()[index], cases.ARGUMENTS[index])
+
+
+@pytest.mark.parametrize("case", cases.MODE_CASES, ids=lambda c: c.__name__)
+def test_dynamics_hand_case_in_every_mode(case, mode):
+    case(mode)
+
+
+@pytest.mark.parametrize("case", cases.CASES, ids=lambda c: c.__name__)
+def test_dynamics_hand_case(case):
+    case()
+
+
+def test_dynamics_state_stays_out_of_the_weights_and_the_saved_files(tmp_path):
+    cases.state_stays_out_of_the_weights_and_the_saved_files(tmp_path)
+
+
+@pytest.mark.slow
+def test_dynamics_noise_scale_matches_the_closed_form_on_one_device():
+    cases.noise_scale_matches_the_closed_form_on_one_device()

@@ -408,6 +408,47 @@ def test_model_parallel_slots_take_the_variables_layout():
     np.testing.assert_allclose(np.asarray(grad), expected, atol=1e-6)
 
 
+def _fit_dynamics(x):
+    from keras_keepgrad import metrics as kgm
+
+    metrics = [
+        kgm.GradientNoiseScale(accumulation_steps=2, smoothing=0.0, components=True),
+        kgm.GradientSNR(accumulation_steps=2),
+        kgm.GradientCosine(),
+    ]
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", metrics=metrics)
+    x = np.asarray(x, "float32").reshape(-1, 1)
+    history = model.fit(x, np.zeros_like(x), batch_size=2, shuffle=False, verbose=0).history
+    return metrics, history
+
+
+@needs_two_devices
+def test_data_parallel_dynamics_use_the_window_of_steps():
+    # The one-weight model (w = 3, gradient 2 w x^2 per example), global
+    # batches of 2: step 1 x = (1, 1), g = 6; step 2 x = (2, 2), g = 24; each
+    # device gets one example of each. Over the window of k = 2 steps of
+    # b = 2: S = (36 + 576) / 2 = 306, Q = 15^2 = 225, B_small = 2,
+    # B_big = 4: |G|^2 ~ (4 Q - 2 S) / (4 - 2) = 144, tr(Sigma) ~
+    # (S - Q) / (1/2 - 1/4) = 324, B_simple = 2.25; SNR 15 / sqrt(162). The
+    # devices' halves as small batches would agree within each step
+    # (tr(Sigma) ~ 0), as one device does not see them.
+    _, alone = _fit_dynamics([1, 1, 2, 2])
+    distribution = keras.distribution.DataParallel(devices=jax.devices("cpu")[:2])
+    with distribution.scope():
+        metrics, history = _fit_dynamics([1, 1, 2, 2])
+    assert history == alone
+    assert history["grad_noise_scale/grad_sq"] == [144.0]
+    assert history["grad_noise_scale/trace_cov"] == [324.0]
+    assert history["grad_noise_scale"] == [2.25]
+    assert history["grad_snr/dense_0"] == [pytest.approx(5 / (3 * np.sqrt(2)), rel=1e-6)]
+    assert history["grad_cosine"] == [1.0]
+    # The window's buffer is the variable's size, on both devices.
+    (buffer,) = metrics[0]._holder.variables["buffers"].values()
+    assert buffer.shape == (1, 1)
+    assert len(buffer.value.sharding.device_set) == 2
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
 
