@@ -31,8 +31,8 @@ import tensorflow as tf
 
 from keras_keepgrad import _capture
 from keras_keepgrad import _checks
-from keras_keepgrad import _keeper
 from keras_keepgrad import _stats
+from keras_keepgrad.backend.tensorflow import keeper as _keeper
 from keras_keepgrad.metrics import GradientMetric
 from keras_keepgrad.metrics import _float32
 from keras_keepgrad.metrics import _group_by_layer

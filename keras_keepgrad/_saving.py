@@ -38,9 +38,9 @@ file. A `KeepGradModel` exposes one more such saveable, under the attribute
   with fresh zero slots, as for any model.
 
 Gradient slots are plain `tf.Variable`s held outside Keras's and
-TensorFlow's tracking (see `_keeper.py`), or on JAX and PyTorch plain
-arrays or tensors held by the keeper (`_keeper_jax.py`,
-`_keeper_torch.py`), so `model.weights`, `tf.train.Checkpoint` and
+TensorFlow's tracking (see `backend/tensorflow/keeper.py`), or on JAX and PyTorch plain
+arrays or tensors held by the keeper (`backend/jax.py`,
+`backend/torch.py`), so `model.weights`, `tf.train.Checkpoint` and
 `model.export()` never contain them, whatever `save_gradients` says.
 """
 

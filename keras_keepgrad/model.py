@@ -21,15 +21,15 @@ from keras_keepgrad import _saving
 # The backend's keeping mechanism; the JAX and PyTorch ones do not import
 # TensorFlow.
 if _compat.BACKEND == "jax":
-    from keras_keepgrad import _keeper_jax as _keeper
+    from keras_keepgrad.backend import jax as _keeper
 elif _compat.BACKEND == "torch":
     import torch
 
-    from keras_keepgrad import _keeper_torch as _keeper
+    from keras_keepgrad.backend import torch as _keeper
 else:
     import tensorflow as tf
 
-    from keras_keepgrad import _keeper
+    from keras_keepgrad.backend.tensorflow import keeper as _keeper
 from keras_keepgrad import metrics as metrics_lib
 
 __all__ = ["KeepGradModel", "keep_gradients"]
@@ -105,7 +105,7 @@ def _restoring_context(model):
     variables (a step that kept nothing, an `fn` that fails or returns no
     scalar): on the first step of a training function, the error leaves
     the model as it was. A traced step raises while it is traced, before
-    anything runs, and JAX's steps are pure (`_keeper_jax` puts their
+    anything runs, and JAX's steps are pure (`backend/jax.py` puts their
     state back), so only eager PyTorch and TensorFlow steps need the copy.
     """
     if not model._keep_gradients or _compat.BACKEND == "jax":
@@ -326,7 +326,7 @@ class KeepGradModel(keras.Model):
 
     def _make_function(self, step_function, *args, **kwargs):
         if _compat.BACKEND != "tensorflow":
-            # The keeping step is made by `_keeper_jax.make_train_function`.
+            # The keeping step is made by `backend.jax.make_train_function`.
             return super()._make_function(step_function, *args, **kwargs)
         keeping = self._keep_gradients and step_function == self.train_step
         if _compat.collective_multi_worker(self.distribute_strategy):

@@ -790,7 +790,7 @@ def _scenario_reduction_reuse(strategy):
     import keras
 
     import keras_keepgrad as kg
-    from keras_keepgrad import _keeper
+    from keras_keepgrad.backend.tensorflow import keeper as _keeper
 
     original = _keeper.all_reduce_sum
     calls = []

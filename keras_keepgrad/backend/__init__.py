@@ -1,0 +1,1 @@
+"""The keeping mechanism of each Keras backend."""
