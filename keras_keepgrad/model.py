@@ -29,7 +29,9 @@ elif _compat.BACKEND == "torch":
 else:
     import tensorflow as tf
 
+    from keras_keepgrad.backend.tensorflow import distribute as _tf_distribute
     from keras_keepgrad.backend.tensorflow import keeper as _keeper
+    from keras_keepgrad.backend.tensorflow import xla as _tf_xla
 from keras_keepgrad import metrics as metrics_lib
 
 __all__ = ["KeepGradModel", "keep_gradients"]
@@ -316,9 +318,9 @@ class KeepGradModel(keras.Model):
             # Keras 3.15 pulls a batch and `strategy.reduce`s it, which
             # fails under `MultiWorkerMirroredStrategy`
             # (keras-team/keras#20585); one replica's spec builds alike.
-            spec = _keeper.replica_spec(_compat.data_spec_from_epoch_iterator(iterator))
+            spec = _tf_distribute.replica_spec(_compat.data_spec_from_epoch_iterator(iterator))
             if spec is not None:
-                spec = tree.map_structure(_keeper.none_for_none_spec, spec)
+                spec = tree.map_structure(_tf_distribute.none_for_none_spec, spec)
                 with self.distribute_strategy.scope():
                     self._symbolic_build(data_batch=spec)
                 return
@@ -330,7 +332,7 @@ class KeepGradModel(keras.Model):
             return super()._make_function(step_function, *args, **kwargs)
         keeping = self._keep_gradients and step_function == self.train_step
         if _compat.collective_multi_worker(self.distribute_strategy):
-            step_function = _keeper.with_batch_axis(step_function)
+            step_function = _tf_distribute.with_batch_axis(step_function)
         if keeping and self._writes_sparse_after_xla():
             # Keras compiles its whole step function with XLA. Here XLA
             # compiles the step, and sparse slots (whose row count follows
@@ -371,7 +373,7 @@ class KeepGradModel(keras.Model):
         """Whether the step is compiled with XLA, sparse slots written after it."""
         if _compat.BACKEND != "tensorflow":
             return False
-        return _keeper.writes_sparse_after_xla(
+        return _tf_xla.writes_sparse_after_xla(
             self.jit_compile, self.run_eagerly, self._distribute_strategy
         )
 
@@ -498,7 +500,7 @@ class KeepGradModel(keras.Model):
             metrics_lib._check_unique_keys(self)
             _capture.install()
             if _compat.BACKEND == "tensorflow":
-                _keeper.install_reduction_reuse()
+                _tf_distribute.install_reduction_reuse()
             # Fresh slots, made as the new training function is first
             # traced, from what its optimizers receive.
             self._keeper = self._new_keeper()
