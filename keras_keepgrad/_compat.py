@@ -68,6 +68,7 @@ __all__ = [
     "functional_init_arguments",
     "functional_structure",
     "in_symbolic_build",
+    "model_strategy",
     "replace_metric_variable",
 ]
 
@@ -147,6 +148,17 @@ def in_symbolic_build():
     stateless scope too.
     """
     return in_symbolic_scope()
+
+
+def model_strategy(model):
+    """The `tf.distribute` strategy `model` was made under, or None.
+
+    Keras 3.15 keeps it in the private `_distribute_strategy` (None when the
+    model was made outside any strategy scope); the public
+    `distribute_strategy` falls back to the default strategy, which cannot
+    tell the two apart.
+    """
+    return getattr(model, "_distribute_strategy", None)
 
 
 def tf_optimizer_class():

@@ -47,9 +47,15 @@ from keras_keepgrad._capture import in_evaluation_step
 from keras_keepgrad._capture import nest_by_path
 from keras_keepgrad._ops import shared_squares
 from keras_keepgrad._ops import tf_ops
+from keras_keepgrad.backend import base
+from keras_keepgrad.backend.base import current_step_gradients
+from keras_keepgrad.backend.base import current_step_updates
+from keras_keepgrad.backend.base import densify
+from keras_keepgrad.backend.base import unscale
 
 __all__ = [
     "GradientKeeper",
+    "Trainer",
     "current_step_gradients",
     "current_step_updates",
     "current_step_variables",
@@ -64,30 +70,6 @@ __all__ = [
 ]
 
 
-def unscale(optimizer, variables, grads):
-    """What the optimizer's update receives (`_capture.unscale`).
-
-    Reads the optimizer's variables as the enclosing `StatelessScope` maps
-    them.
-    """
-    return _capture.unscale(optimizer, variables, grads)
-
-
-def densify(grad):
-    """The gradient as an array (JAX gradients are always dense)."""
-    return ops.convert_to_tensor(grad)
-
-
-def current_step_gradients():
-    """The `{path: grad}` kept so far in the training step being traced, else None.
-
-    Under a `keras.distribution` the step computes on global arrays, so
-    these are the global batch's gradients.
-    """
-    step = _capture.current_step()
-    return None if step is None else step.grads
-
-
 def current_step_variables():
     """`{path: value after the update}` of what the step kept, else None.
 
@@ -99,13 +81,7 @@ def current_step_variables():
     return {path: after for path, (_, after) in step.backend_state.updates.items()}
 
 
-def current_step_updates():
-    """`{path: (value before, value after)}` of the step's optimizer updates."""
-    step = _capture.current_step()
-    return None if step is None else step.backend_state.updates
-
-
-class GradientKeeper(_capture.HostCountedKeeper):
+class GradientKeeper(base.HostCountedKeeper):
     """Holds one model's kept gradients on JAX, keyed by variable path.
 
     The slots are arrays held by this object (not `keras.Variable`s), so
@@ -338,3 +314,21 @@ def _reattach(model, state):
     ):
         for variable, value in zip(variables, values):
             variable.assign(value)
+
+
+class Trainer(base.Trainer):
+    """`KeepGradModel` on JAX: the slots threaded through the jitted step."""
+
+    # The optimizer, built for the old variables, refuses a rebuilt
+    # training function: only `compile` makes a new one.
+    _stale_fix = ""
+
+    def _new_keeper(self):
+        return GradientKeeper(every=self._keep_every)
+
+    def _make_keeping_train_function(self, force):
+        return make_train_function(self)
+
+    def _restores_state_on_error(self):
+        # Steps are pure, and `_reattach` puts back what a raising step took.
+        return False

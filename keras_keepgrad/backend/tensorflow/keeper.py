@@ -30,6 +30,7 @@ from keras_keepgrad import _stats
 from keras_keepgrad._capture import evaluation_step
 from keras_keepgrad._capture import in_evaluation_step
 from keras_keepgrad._capture import nest_by_path
+from keras_keepgrad.backend import base
 from keras_keepgrad.backend.tensorflow import distribute
 from keras_keepgrad.backend.tensorflow import xla
 from keras_keepgrad.backend.tensorflow.distribute import reduces_in_step
@@ -154,7 +155,7 @@ def _check_unconditional(step, call):
         graph = getattr(graph, "outer_graph", None)
 
 
-class GradientKeeper(xla.DeferredSparseWrites, _capture.Keeper):
+class GradientKeeper(xla.DeferredSparseWrites, base.Keeper):
     """Owns one model's gradient slots, keyed by variable path.
 
     The slots are plain `tf.Variable`s held by this object, which is not a
@@ -176,11 +177,11 @@ class GradientKeeper(xla.DeferredSparseWrites, _capture.Keeper):
             (`densified_in`): XLA then computes the dense tensor once for
             both, and the rows need no copy out of the compiled step.
 
-    Attributes: as `_capture.Keeper`'s.
+    Attributes: as `base.Keeper`'s.
     """
 
     def __init__(self, strategy, sparse=True, every=1, choose_dense=False):
-        _capture.Keeper.__init__(self, every)
+        base.Keeper.__init__(self, every)
         xla.DeferredSparseWrites.__init__(self, choose_dense)
         self.strategy = strategy
         self.sparse = sparse
