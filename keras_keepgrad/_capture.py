@@ -24,6 +24,8 @@ import warnings
 import keras
 from keras import ops
 
+from keras_keepgrad import _compat
+
 __all__ = [
     "Step",
     "check_unique_paths",
@@ -316,7 +318,7 @@ def _capturing(apply):
             trainable_variables = list(trainable_variables)
             variables = trainable_variables
         elif optimizer.built:
-            variables = list(optimizer._trainable_variables)
+            variables = _compat.optimizer_variables(optimizer)
         else:
             # Keras raises its own error for this.
             return apply(optimizer, grads, trainable_variables)
@@ -347,7 +349,7 @@ def _capturing_stateless(stateless_apply):
         if step is None or step.applying or not optimizer.built or not grads:
             return stateless_apply(optimizer, optimizer_variables, grads, trainable_variables)
         grads, values = list(grads), list(trainable_variables)
-        step.claim(optimizer._trainable_variables)
+        step.claim(_compat.optimizer_variables(optimizer))
         step.before_update()
 
         def run(grads):

@@ -54,10 +54,7 @@ import zipfile
 import h5py
 import keras
 
-# Written against Keras 3.15. `saving_lib` saves every `KerasSaveable` it
-# finds among a model's attributes (`dir(model)`), and there is no public
-# alias of that base class.
-from keras.src.saving.keras_saveable import KerasSaveable
+from keras_keepgrad import _compat
 
 __all__ = [
     "KeptGradientsState",
@@ -102,7 +99,7 @@ def _parse_key(key):
     return int(index), urllib.parse.unquote(path)
 
 
-class KeptGradientsState(KerasSaveable):
+class KeptGradientsState(_compat.KerasSaveable):
     """The saveable state of one model's kept gradients.
 
     Keras's saving finds it through the model's `_kept_gradients` attribute

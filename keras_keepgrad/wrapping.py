@@ -7,7 +7,6 @@ from typing import Any
 import keras
 
 from keras_keepgrad import _compat
-from keras_keepgrad import _saving
 from keras_keepgrad.model import FunctionalKeepGradModel
 from keras_keepgrad.model import KeepGradModel
 
@@ -22,7 +21,7 @@ def _holds_saveable(value):
         value = list(value.values())
     if isinstance(value, (list, tuple)):
         return any(_holds_saveable(item) for item in value)
-    return isinstance(value, _saving.KerasSaveable)
+    return isinstance(value, _compat.KerasSaveable)
 
 
 @keras.saving.register_keras_serializable(package="keras_keepgrad")

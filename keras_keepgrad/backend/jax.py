@@ -27,9 +27,10 @@ that needs them longer copies them (`np.asarray`), as the callbacks of this
 package do.
 
 Nothing here imports TensorFlow. Written against Keras 3.15's JAX trainer;
-besides its public API it reads `optimizer._trainable_variables` (what the
-values `stateless_apply` takes pair with), `model._get_state_sharding_spec()`
-and `model._make_function()` (as `JAXTrainer.make_train_function` does).
+besides its public API it reads, through `_compat`, the variables a built
+optimizer updates (what the values `stateless_apply` takes pair with), the
+state's shardings and Keras's own step-function wrapper (as
+`JAXTrainer.make_train_function` does).
 """
 
 import functools
@@ -42,6 +43,7 @@ from keras import StatelessScope
 from keras import ops
 
 from keras_keepgrad import _capture
+from keras_keepgrad import _compat
 from keras_keepgrad._capture import evaluation_step
 from keras_keepgrad._capture import in_evaluation_step
 from keras_keepgrad._capture import nest_by_path
@@ -133,7 +135,7 @@ class GradientKeeper(base.HostCountedKeeper):
         Returns:
             What `apply` returns.
         """
-        variables = list(optimizer._trainable_variables)
+        variables = _compat.optimizer_variables(optimizer)
         mapping = list(zip(optimizer.variables, optimizer_variables))
         with StatelessScope(state_mapping=mapping):
             kept = unscale(optimizer, variables, grads)
@@ -224,7 +226,7 @@ def make_train_function(model):
     """
     keeper = model._keeper
     distributed = keras.distribution.distribution() is not None
-    state_shardings = model._get_state_sharding_spec() if distributed else None
+    state_shardings = _compat.state_sharding_spec(model) if distributed else None
     if distributed:
         # Each slot takes its variable's layout (replicated under
         # `DataParallel`, sharded as the variable under `ModelParallel`).
@@ -290,7 +292,7 @@ def make_train_function(model):
         keeper.stepped(kept)
         return logs, state
 
-    model.train_function = model._make_function(train_step)
+    model.train_function = _compat.make_function(model, train_step)
 
 
 def _reattach(model, state):

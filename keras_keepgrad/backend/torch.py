@@ -51,6 +51,7 @@ import torch
 from keras import ops
 
 from keras_keepgrad import _capture
+from keras_keepgrad import _compat
 from keras_keepgrad._capture import evaluation_step
 from keras_keepgrad._capture import in_evaluation_step
 from keras_keepgrad._capture import nest_by_path
@@ -184,10 +185,12 @@ class GradientKeeper(base.HostCountedKeeper):
             if not reads_only:
                 for i in shared:
                     kept[i] = kept[i].clone()
-            versions = [grads[i]._version for i in shared]
+            versions = [_compat.tensor_version(grads[i]) for i in shared]
             before = [v.value.detach().clone() for v in variables] if self.record_updates else None
         result = apply(grads)
-        written = [i for i, seen in zip(shared, versions) if grads[i]._version != seen]
+        written = [
+            i for i, seen in zip(shared, versions) if _compat.tensor_version(grads[i]) != seen
+        ]
         if not reads_only:
             # Copied before the update; after it from the next step on, if
             # this one left every gradient unwritten (cheaper: see the
