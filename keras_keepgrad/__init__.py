@@ -3,7 +3,7 @@
 from keras_keepgrad import callbacks
 from keras_keepgrad import metrics
 from keras_keepgrad.model import KeepGradModel
-from keras_keepgrad.model import keep_gradients
+from keras_keepgrad.wrapping import keep_gradients
 
 __version__ = "0.1.0"
 

@@ -18,15 +18,15 @@ at the outermost call: what the user's step handed over.
 
 import contextlib
 import functools
-import itertools
 import threading
 import warnings
 
 import keras
 from keras import ops
 
+from keras_keepgrad import _compat
+
 __all__ = [
-    "HostCountedKeeper",
     "Step",
     "check_unique_paths",
     "current_step",
@@ -133,70 +133,6 @@ def check_unique_paths(model, variables, owners=None):
             shared.add(variable.path)
     if shared:
         raise ValueError(shared_paths_message(model, sorted(shared)))
-
-
-_KEEPER_SERIALS = itertools.count()
-
-
-class Keeper:
-    """What every backend's keeper has.
-
-    Attributes:
-        every: Positive int. Slots are written on steps 1, 1 + every, ...
-        paths: Paths of the variables the training function keeps, in
-            `model.trainable_variables` order; `()` when its step passed
-            no gradient to any optimizer; None before its first (or, on
-            TensorFlow, traced) step.
-        trainable_paths: The model's trainable variable paths at that step
-            (the kept gradients are stale once they change).
-        ran_a_step: Whether a step (run or traced) ran to its end.
-    """
-
-    def __init__(self, every=1):
-        self.every = every
-        self.paths = None
-        self.trainable_paths = None
-        self._serial = next(_KEEPER_SERIALS)  # tells keepers apart in `last_write`
-        self._warned_missing = False
-        self.ran_a_step = False
-
-    @property
-    def built(self):
-        return self.paths is not None
-
-    @property
-    def kept_nothing(self):
-        """Whether the last (traced) step had trainable variables but kept nothing."""
-        return self.paths == () and bool(self.trainable_paths)
-
-
-class HostCountedKeeper(Keeper):
-    """What the JAX and PyTorch keepers share: their steps are counted in
-    Python, around the step, and their slots are held by the keeper.
-
-    Attributes:
-        slots: The kept gradients, or None.
-    """
-
-    def __init__(self, every=1):
-        super().__init__(every)
-        self.slots = None
-        self._steps = 0
-        self._written = -1
-
-    def has_sparse_slots(self):
-        """Gradients here are dense: never."""
-        return False
-
-    def writes_next(self):
-        """Whether the next step writes the slots (steps 1, 1 + every, ...)."""
-        return self._steps % self.every == 0
-
-    def last_write(self):
-        """`(write, age)`, as `_keeper.GradientKeeper.last_write`."""
-        if self.every == 1 or self._written < 0:
-            return None, 0
-        return (self._serial, self._written), self._steps - 1 - self._written
 
 
 def shared_paths_message(model, paths):
@@ -382,7 +318,7 @@ def _capturing(apply):
             trainable_variables = list(trainable_variables)
             variables = trainable_variables
         elif optimizer.built:
-            variables = list(optimizer._trainable_variables)
+            variables = _compat.optimizer_variables(optimizer)
         else:
             # Keras raises its own error for this.
             return apply(optimizer, grads, trainable_variables)
@@ -413,7 +349,7 @@ def _capturing_stateless(stateless_apply):
         if step is None or step.applying or not optimizer.built or not grads:
             return stateless_apply(optimizer, optimizer_variables, grads, trainable_variables)
         grads, values = list(grads), list(trainable_variables)
-        step.claim(optimizer._trainable_variables)
+        step.claim(_compat.optimizer_variables(optimizer))
         step.before_update()
 
         def run(grads):
@@ -435,24 +371,22 @@ _install_lock = threading.Lock()
 _installed = False
 
 
-def install(again=True):
-    """Wraps `apply` (and, on JAX, `stateless_apply`) of every optimizer
-    class defined so far (idempotent).
+def install(again=True, methods=("apply",)):
+    """Wraps `methods` of every optimizer class defined so far (idempotent).
 
-    Called whenever a `KeepGradModel` builds its training function, so
-    that optimizer classes defined after an earlier call (a user's own,
-    overriding `apply`) are wrapped too. With `again=False`, only if it was
-    never called.
+    `apply` everywhere; on JAX also `stateless_apply`, through which its
+    steps update (elsewhere `stateless_apply` calls `apply`, which is
+    captured). Called whenever a `KeepGradModel` builds its training
+    function, so that optimizer classes defined after an earlier call (a
+    user's own, overriding `apply`) are wrapped too. With `again=False`,
+    only if it was never called.
     """
     global _installed
     if _installed and not again:
         return
     with _install_lock:
         _installed = True
-        wrappers = {"apply": _capturing}
-        if keras.backend.backend() == "jax":
-            # Elsewhere `stateless_apply` calls `apply`, which is captured.
-            wrappers["stateless_apply"] = _capturing_stateless
+        wrappers = {name: _WRAPPERS[name] for name in methods}
         # Every optimizer class derives from the one defining `apply`.
         pending = [next(c for c in keras.optimizers.Optimizer.__mro__ if "apply" in vars(c))]
         seen = set()
@@ -466,3 +400,6 @@ def install(again=True):
                 method = vars(cls).get(name)
                 if method is not None and not hasattr(method, "_keepgrad_original"):
                     setattr(cls, name, wrap(method))
+
+
+_WRAPPERS = {"apply": _capturing, "stateless_apply": _capturing_stateless}

@@ -8,6 +8,7 @@ import keras
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
+from keras.src.saving.keras_saveable import KerasSaveable
 
 # The Keras backends `KeepGradModel` keeps gradients on.
 SUPPORTED_BACKENDS = ("tensorflow", "jax", "torch")
@@ -58,6 +59,7 @@ __all__ = [
     "BackendTrainer",
     "ControlFlowFuncGraph",
     "Functional",
+    "KerasSaveable",
     "MODEL_STATE_ATTRIBUTES",
     "SUPPORTED_BACKENDS",
     "check_backend",
@@ -68,6 +70,12 @@ __all__ = [
     "functional_init_arguments",
     "functional_structure",
     "in_symbolic_build",
+    "make_function",
+    "model_strategy",
+    "optimizer_variables",
+    "state_sharding_spec",
+    "summary_ops",
+    "tensor_version",
     "replace_metric_variable",
     "untrack_metric_variables",
 ]
@@ -160,6 +168,17 @@ def untrack_metric_variables(metric, variables):
     metric._variables[:] = [v for v in metric._variables if id(v) not in stale]
 
 
+def model_strategy(model):
+    """The `tf.distribute` strategy `model` was made under, or None.
+
+    Keras 3.15 keeps it in the private `_distribute_strategy` (None when the
+    model was made outside any strategy scope); the public
+    `distribute_strategy` falls back to the default strategy, which cannot
+    tell the two apart.
+    """
+    return getattr(model, "_distribute_strategy", None)
+
+
 def tf_optimizer_class():
     """The base of Keras's TensorFlow optimizers, whose
     `_all_reduce_sum_gradients` sums the replicas' gradients in an update
@@ -180,3 +199,56 @@ def replace_metric_variable(metric, old, new):
     """
     metric._tracker.untrack(new)
     metric._tracker.replace_tracked_value("variables", old, new)
+
+
+def optimizer_variables(optimizer):
+    """The variables a built optimizer updates, in the order of its slots.
+
+    Written against Keras 3.15: `optimizer.apply(grads)` without variables,
+    and `stateless_apply`'s `trainable_variables` values, pair with the
+    private `_trainable_variables` that `build` stored; no public attribute
+    lists them (`optimizer.variables` are its own state).
+    """
+    return list(optimizer._trainable_variables)
+
+
+def state_sharding_spec(model):
+    """The shardings of `model`'s training state under a JAX distribution.
+
+    Written against Keras 3.15's `JAXTrainer._get_state_sharding_spec`,
+    which its `make_train_function` passes to `jax.jit` as the state's
+    `out_shardings`; no public API gives them.
+    """
+    return model._get_state_sharding_spec()
+
+
+def make_function(model, step_function):
+    """`model`'s training function around `step_function` (JAX).
+
+    Written against Keras 3.15's `JAXTrainer._make_function`, which wraps a
+    step for `steps_per_execution`, as its own `make_train_function` does;
+    no public API takes a step function.
+    """
+    return model._make_function(step_function)
+
+
+def tensor_version(tensor):
+    """A torch tensor's version counter, which every in-place write increments.
+
+    Written against Keras 3.15 on PyTorch 2: `tensor._version` is the only
+    way to tell whether an optimizer's update wrote its gradient argument
+    in place; torch has no public accessor.
+    """
+    return tensor._version
+
+
+def summary_ops():
+    """TensorFlow's generated summary ops, `write_summary` taking a writer handle.
+
+    Written against Keras 3.15 and TensorFlow 2.21: `tf.summary` has no
+    public op that writes into a writer resource passed as a tensor, which
+    writing several rows in one traced function needs.
+    """
+    from tensorflow.python.ops import gen_summary_ops
+
+    return gen_summary_ops

@@ -52,8 +52,8 @@ from keras_keepgrad.metrics import _sum_of_squares
 if _compat.BACKEND == "tensorflow":
     import tensorflow as tf
 
-    from keras_keepgrad import _keeper
     from keras_keepgrad._stats import shared_squares as _shared_squares
+    from keras_keepgrad.backend.tensorflow import keeper as _keeper
 else:
     from keras_keepgrad._ops import shared_squares as _shared_squares
     from keras_keepgrad._ops import tf_ops as tf

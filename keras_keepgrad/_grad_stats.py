@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from keras_keepgrad import _capture
 from keras_keepgrad import _stats
+from keras_keepgrad._paths import layer_of
 
 __all__ = [
     "GradientNorms",
@@ -33,16 +34,6 @@ __all__ = [
     "require_kept_gradients",
     "trainable_paths",
 ]
-
-
-def layer_of(path):
-    """The layer a variable belongs to: its path minus the last component.
-
-    `"dense_0/kernel"` -> `"dense_0"`, `"encoder/dense/bias"` ->
-    `"encoder/dense"`. A path without `/` is its own group.
-    """
-    head, sep, _ = path.rpartition("/")
-    return head if sep else path
 
 
 @tf.function(autograph=False)

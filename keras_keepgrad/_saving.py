@@ -38,9 +38,9 @@ file. A `KeepGradModel` exposes one more such saveable, under the attribute
   with fresh zero slots, as for any model.
 
 Gradient slots are plain `tf.Variable`s held outside Keras's and
-TensorFlow's tracking (see `_keeper.py`), or on JAX and PyTorch plain
-arrays or tensors held by the keeper (`_keeper_jax.py`,
-`_keeper_torch.py`), so `model.weights`, `tf.train.Checkpoint` and
+TensorFlow's tracking (see `backend/tensorflow/keeper.py`), or on JAX and PyTorch plain
+arrays or tensors held by the keeper (`backend/jax.py`,
+`backend/torch.py`), so `model.weights`, `tf.train.Checkpoint` and
 `model.export()` never contain them, whatever `save_gradients` says.
 """
 
@@ -54,10 +54,7 @@ import zipfile
 import h5py
 import keras
 
-# Written against Keras 3.15. `saving_lib` saves every `KerasSaveable` it
-# finds among a model's attributes (`dir(model)`), and there is no public
-# alias of that base class.
-from keras.src.saving.keras_saveable import KerasSaveable
+from keras_keepgrad import _compat
 
 __all__ = [
     "KeptGradientsState",
@@ -102,7 +99,7 @@ def _parse_key(key):
     return int(index), urllib.parse.unquote(path)
 
 
-class KeptGradientsState(KerasSaveable):
+class KeptGradientsState(_compat.KerasSaveable):
     """The saveable state of one model's kept gradients.
 
     Keras's saving finds it through the model's `_kept_gradients` attribute

@@ -31,7 +31,7 @@ import weakref
 
 import tensorflow as tf
 
-from keras_keepgrad import _grad_stats
+from keras_keepgrad import _paths
 
 __all__ = ["read", "record", "require", "shared_squares", "step_statistics", "sum_squares"]
 
@@ -60,7 +60,7 @@ def step_statistics(grads_by_path, layer_order=None):
     Args:
         grads_by_path: Dict `{variable path: gradient}` (dense tensors or
             `tf.IndexedSlices`), in `model.trainable_variables` order.
-        layer_order: Tuple of layer names (`_grad_stats.layer_of` of the
+        layer_order: Tuple of layer names (`_paths.layer_of` of the
             paths), in the order the per-layer sums are wanted. Defaults to
             the order in which the layers first appear in `grads_by_path`.
 
@@ -110,8 +110,8 @@ def _layer_index(paths, layer_order=None):
     for layer in layer_order or ():
         positions.setdefault(layer, len(positions))
     for path in paths:
-        positions.setdefault(_grad_stats.layer_of(path), len(positions))
-    return tuple(positions), [positions[_grad_stats.layer_of(p)] for p in paths]
+        positions.setdefault(_paths.layer_of(path), len(positions))
+    return tuple(positions), [positions[_paths.layer_of(p)] for p in paths]
 
 
 # Sharing within a step -------------------------------------------------------

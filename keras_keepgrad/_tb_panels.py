@@ -12,6 +12,8 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from keras_keepgrad import _compat
+
 LAYER_NORM_PREFIX = "gradients/layer_norm/"
 GLOBAL_NORM_TAG = "gradients/global_norm"
 NONFINITE_TAG = "gradients/nonfinite"
@@ -176,7 +178,7 @@ def _rows_function(n_tags):
     function = _ROW_FUNCTIONS.get(n_tags)
     if function is not None:
         return function
-    from tensorflow.python.ops import gen_summary_ops  # no public op taking a handle
+    gen_summary_ops = _compat.summary_ops()  # no public op taking a handle
 
     def write_rows(resource, values, steps, tags, metadata):
         def body(j):

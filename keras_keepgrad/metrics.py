@@ -35,14 +35,14 @@ if _compat.BACKEND in ("jax", "torch"):
     from keras_keepgrad._ops import tf_ops as tf
 
     if _compat.BACKEND == "jax":
-        from keras_keepgrad import _keeper_jax as _keeper
+        from keras_keepgrad.backend import jax as _keeper
     else:
-        from keras_keepgrad import _keeper_torch as _keeper
+        from keras_keepgrad.backend import torch as _keeper
 else:
     import tensorflow as tf
 
-    from keras_keepgrad import _keeper
     from keras_keepgrad._stats import shared_squares as _shared_squares
+    from keras_keepgrad.backend.tensorflow import keeper as _keeper
 
 __all__ = [
     "GradientCosine",

@@ -2,69 +2,18 @@
 
 import contextlib
 import functools
-import inspect
-import numbers
-import os
-import sys
-import types
-import warnings
 from typing import Any
 
 import keras
-from keras import tree
 
 from keras_keepgrad import _capture
 from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _saving
-
-# The backend's keeping mechanism; the JAX and PyTorch ones do not import
-# TensorFlow.
-if _compat.BACKEND == "jax":
-    from keras_keepgrad import _keeper_jax as _keeper
-elif _compat.BACKEND == "torch":
-    import torch
-
-    from keras_keepgrad import _keeper_torch as _keeper
-else:
-    import tensorflow as tf
-
-    from keras_keepgrad import _keeper
+from keras_keepgrad import backend
 from keras_keepgrad import metrics as metrics_lib
 
-__all__ = ["KeepGradModel", "keep_gradients"]
-
-_OPTIONS = ("keep_gradients", "save_gradients", "keep_every")
-
-
-def _check_keep_every(value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(
-            "`keep_every` must be a positive int (1 keeps every step). "
-            f"Received: keep_every={value!r}"
-        )
-    return int(value)
-
-
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(path)) + os.sep
-    for path in (keras.__file__, _keeper.__file__, __file__)
-    + ((tf.__file__,) if _compat.BACKEND == "tensorflow" else ())
-    + ((torch.__file__,) if _compat.BACKEND == "torch" else ())
-)
-
-
-def _user_stacklevel():
-    """The `stacklevel` that makes a warning name the user's line.
-
-    For `warnings.warn` in the calling function: it counts that function's
-    frame as 1, then every frame of Keras, TensorFlow or this package
-    above it (a setter reached through `compile` passes through several).
-    """
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-        frame, level = frame.f_back, level + 1
-    return level
+__all__ = ["FunctionalKeepGradModel", "KeepGradModel"]
 
 
 def _keeping(train_step):
@@ -91,7 +40,7 @@ def _keeping_context(model):
     if not model._keep_gradients or (step is not None and step.model is model):
         return contextlib.nullcontext()
     # Done by `make_train_function`, unless the step is called alone.
-    _capture.install(again=False)
+    _capture.install(again=False, methods=backend.CAPTURED_METHODS)
     if model._keeper is None:
         model._keeper = model._new_keeper()
     return _capture.training_step(model, model._keeper)
@@ -105,10 +54,11 @@ def _restoring_context(model):
     variables (a step that kept nothing, an `fn` that fails or returns no
     scalar): on the first step of a training function, the error leaves
     the model as it was. A traced step raises while it is traced, before
-    anything runs, and JAX's steps are pure (`_keeper_jax` puts their
-    state back), so only eager PyTorch and TensorFlow steps need the copy.
+    anything runs, and JAX's steps are pure (`backend/jax.py` puts their
+    state back), so only eager PyTorch and TensorFlow steps need the copy
+    (`_restores_state_on_error`).
     """
-    if not model._keep_gradients or _compat.BACKEND == "jax":
+    if not model._keep_gradients:
         return contextlib.nullcontext()
     step = _capture.current_step()
     if step is not None and step.model is model:
@@ -116,9 +66,7 @@ def _restoring_context(model):
     keeper = model._keeper
     if keeper is not None and keeper.ran_a_step:
         return contextlib.nullcontext()
-    if _compat.BACKEND == "tensorflow" and (
-        not tf.executing_eagerly() or tf.distribute.has_strategy()
-    ):
+    if not model._restores_state_on_error():
         return contextlib.nullcontext()
     if not metrics_lib._gradient_metrics(model):
         return contextlib.nullcontext()
@@ -159,11 +107,11 @@ def _restored_on_error(model):
 
 
 def _marking_evaluation(test_step):
-    """`test_step`, run as an evaluation step (`_keeper.evaluation_step`)."""
+    """`test_step`, run as an evaluation step (`_capture.evaluation_step`)."""
 
     @functools.wraps(test_step)
     def marked(self, *args, **kwargs):
-        with _keeper.evaluation_step():
+        with _capture.evaluation_step():
             return test_step(self, *args, **kwargs)
 
     marked._marks_evaluation = True
@@ -171,7 +119,7 @@ def _marking_evaluation(test_step):
 
 
 @keras.saving.register_keras_serializable(package="keras_keepgrad")
-class KeepGradModel(keras.Model):
+class KeepGradModel(backend.Trainer, keras.Model):
     """A `keras.Model` that keeps each training batch's gradients.
 
     Use it exactly like `keras.Model`: functional construction, subclassing,
@@ -242,7 +190,7 @@ class KeepGradModel(keras.Model):
         _compat.check_backend(type(self).__name__)
         _checks.check_bool("keep_gradients", keep_gradients)
         _checks.check_bool("save_gradients", save_gradients)
-        keep_every = _check_keep_every(keep_every)
+        keep_every = _checks.check_keep_every(keep_every)
         if _compat.functional_init_arguments(args, kwargs):
             if not isinstance(self, _compat.Functional):
                 _inject_functional(type(self))
@@ -258,9 +206,7 @@ class KeepGradModel(keras.Model):
         self._save_gradients = save_gradients
         self._keep_every = keep_every
         self._keeper = None
-        # True only while `_make_function` wraps an XLA step. Held in a
-        # namespace: a value set on a Keras layer is seen by its tracker.
-        self._pending = types.SimpleNamespace(xla_inside_step=False)
+        self._init_backend_state()
 
     @property
     def keep_gradients(self):
@@ -270,8 +216,8 @@ class KeepGradModel(keras.Model):
     @keep_gradients.setter
     def keep_gradients(self, value):
         value = _checks.check_bool("keep_gradients", value)
-        if value and _compat.BACKEND == "torch" and getattr(self, "_jit_compile", False):
-            self._refuse_torch_compile(True)  # before anything changes
+        if value:
+            self._check_keeping_allowed()  # before anything changes
         if value != self._keep_gradients:
             # The training function is traced with or without keeping.
             self.train_function = None
@@ -293,7 +239,7 @@ class KeepGradModel(keras.Model):
 
     @keep_every.setter
     def keep_every(self, value):
-        value = _check_keep_every(value)
+        value = _checks.check_keep_every(value)
         if value != self._keep_every:
             self.train_function = None
         self._keep_every = value
@@ -309,163 +255,8 @@ class KeepGradModel(keras.Model):
 
     # Training ----------------------------------------------------------
 
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        if _compat.BACKEND != "tensorflow":
-            return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
-        if iterator is not None and _compat.collective_multi_worker(self.distribute_strategy):
-            # Keras 3.15 pulls a batch and `strategy.reduce`s it, which
-            # fails under `MultiWorkerMirroredStrategy`
-            # (keras-team/keras#20585); one replica's spec builds alike.
-            spec = _keeper.replica_spec(_compat.data_spec_from_epoch_iterator(iterator))
-            if spec is not None:
-                spec = tree.map_structure(_keeper.none_for_none_spec, spec)
-                with self.distribute_strategy.scope():
-                    self._symbolic_build(data_batch=spec)
-                return
-        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
-
-    def _make_function(self, step_function, *args, **kwargs):
-        if _compat.BACKEND != "tensorflow":
-            # The keeping step is made by `_keeper_jax.make_train_function`.
-            return super()._make_function(step_function, *args, **kwargs)
-        keeping = self._keep_gradients and step_function == self.train_step
-        if _compat.collective_multi_worker(self.distribute_strategy):
-            step_function = _keeper.with_batch_axis(step_function)
-        if keeping and self._writes_sparse_after_xla():
-            # Keras compiles its whole step function with XLA. Here XLA
-            # compiles the step, and sparse slots (whose row count follows
-            # the batch, which an XLA program cannot write) are written
-            # after it, from the rows it returns.
-            step_function = self._keeper.with_sparse_writes_after_xla(step_function)
-            self._pending.xla_inside_step = True
-            try:
-                return super()._make_function(step_function)
-            finally:
-                self._pending.xla_inside_step = False
-        return super()._make_function(step_function)
-
-    def _new_keeper(self):
-        """A keeper with no slots yet, set up for how the model trains."""
-        if _compat.BACKEND == "torch":
-            return _keeper.GradientKeeper(every=self._keep_every, name=self.name)
-        if _compat.BACKEND != "tensorflow":
-            return _keeper.GradientKeeper(every=self._keep_every)
-        writes_after_xla = self._writes_sparse_after_xla()
-        return _keeper.GradientKeeper(
-            self.distribute_strategy,
-            sparse=not self.jit_compile or writes_after_xla,
-            every=self._keep_every,
-            # Under XLA, a sparse gradient that the optimizer's update
-            # densifies anyway (Adam's, for one) is kept dense inside the
-            # compiled step, where XLA computes the dense tensor once for
-            # both; writing the rows after the step would cost their copy
-            # out of it. Only where the sum is shared: every step written
-            # (with `keep_every > 1` the write sits in a conditional of its
-            # own), and no strategy.
-            choose_dense=(
-                writes_after_xla and self._distribute_strategy is None and self._keep_every == 1
-            ),
-        )
-
-    def _writes_sparse_after_xla(self):
-        """Whether the step is compiled with XLA, sparse slots written after it."""
-        if _compat.BACKEND != "tensorflow":
-            return False
-        return _keeper.writes_sparse_after_xla(
-            self.jit_compile, self.run_eagerly, self._distribute_strategy
-        )
-
-    @property
-    def jit_compile(self):
-        """Bool. Whether the training step is compiled with XLA.
-
-        Under a `tf.distribute` strategy with several replicas XLA cannot
-        compile Keras's step (it reads each replica's variables from one
-        device), so `True` falls back to `False` with a warning. On PyTorch,
-        `True` (`torch.compile`) is refused while the model keeps gradients
-        (see `_refuse_torch_compile`).
-        """
-        if getattr(getattr(self, "_pending", None), "xla_inside_step", False):
-            return False  # only while `_make_function` wraps an XLA step
-        return keras.Model.jit_compile.fget(self)
-
-    @jit_compile.setter
-    def jit_compile(self, value):
-        if (
-            value
-            and _compat.BACKEND == "tensorflow"
-            and self.distribute_strategy.num_replicas_in_sync > 1
-        ):
-            warnings.warn(
-                "`jit_compile=True` is not supported under a `tf.distribute` "
-                "strategy with several replicas (Keras's own step fails: XLA "
-                "cannot read the replicas' variables from one device). "
-                "Proceeding with `jit_compile=False`. Received: "
-                f"jit_compile={value!r} with "
-                f"{type(self.distribute_strategy).__name__} of "
-                f"{self.distribute_strategy.num_replicas_in_sync} replicas.",
-                stacklevel=_user_stacklevel(),
-            )
-            value = False
-        if value and getattr(self, "_keep_gradients", False):
-            value = self._refuse_torch_compile(value)
-        keras.Model.jit_compile.fset(self, value)
-
-    def _without_torch_compile(self, config, what):
-        """`compile` arguments made elsewhere, `jit_compile` off on PyTorch.
-
-        A file compiled with XLA on another backend, or a plain model that
-        `keep_gradients()` wraps with its compile arguments: the request
-        was not made of this model, so it falls back, saying so.
-        """
-        jit_compile = config.get("jit_compile", "auto")
-        if (
-            _compat.BACKEND == "torch"
-            and self._keep_gradients
-            and jit_compile
-            and jit_compile != "auto"
-            and not config.get("run_eagerly")
-        ):
-            warnings.warn(
-                f"{what} was compiled with `jit_compile={jit_compile!r}`, which "
-                "a `KeepGradModel` that keeps gradients does not support on "
-                "the PyTorch backend (TensorFlow and JAX do): compiled with "
-                "`jit_compile=False` (eager) instead.",
-                stacklevel=3,
-            )
-            config = dict(config, jit_compile=False)
-        return config
-
-    def _refuse_torch_compile(self, value):
-        """`value`; raises on PyTorch.
-
-        `torch.compile` splits the step into pieces (at `loss.backward()`
-        and at the keeping itself), its compiled `Adam` update writes the
-        gradient tensors it receives in place, and gradient metrics fail to
-        trace: keeping under it is not verified exact. Eager is Keras's
-        default on PyTorch anyway. Called before anything is changed.
-        """
-        if _compat.BACKEND != "torch":
-            return value
-        raise ValueError(
-            "`jit_compile=True` (`torch.compile`) is not supported by a "
-            "`KeepGradModel` that keeps gradients on the PyTorch backend: "
-            "keeping under the compiled step is not verified exact, and "
-            "gradient metrics do not trace under it. The TensorFlow and JAX "
-            "backends support it (XLA). On PyTorch pass `jit_compile=False` "
-            "(eager, Keras's default there), or `keep_gradients=False` for "
-            f"a plain compiled model. Received: jit_compile={value!r}."
-        )
-
     def compile(self, *args, **kwargs):
-        if _compat.BACKEND == "torch" and self._keep_gradients:
-            # Refused before Keras's `compile` sets the optimizer and loss,
-            # so that a refused call leaves the model as it was. Keras turns
-            # "auto" off on PyTorch, and any value off under `run_eagerly`.
-            arguments = inspect.signature(keras.Model.compile).bind(self, *args, **kwargs).arguments
-            jit_compile = arguments.get("jit_compile", "auto")
-            if jit_compile and jit_compile != "auto" and not arguments.get("run_eagerly"):
-                self._refuse_torch_compile(jit_compile)
+        self._check_compile_arguments(args, kwargs)
         super().compile(*args, **kwargs)
 
     compile.__doc__ = keras.Model.compile.__doc__
@@ -477,7 +268,7 @@ class KeepGradModel(keras.Model):
         # Keras's behaviour (a warning, and no compile).
         if type(self).compile is not KeepGradModel.compile:
             return super().compile_from_config(config)
-        config = self._without_torch_compile(
+        config = self._compile_config_made_elsewhere(
             keras.saving.deserialize_keras_object(config), "The loaded model"
         )
         self.compile(**config)
@@ -496,19 +287,15 @@ class KeepGradModel(keras.Model):
             # values out of the model for the step): each step checks again.
             _capture.check_unique_paths(self, self.trainable_variables)
             metrics_lib._check_unique_keys(self)
-            _capture.install()
-            if _compat.BACKEND == "tensorflow":
-                _keeper.install_reduction_reuse()
+            _capture.install(methods=backend.CAPTURED_METHODS)
             # Fresh slots, made as the new training function is first
             # traced, from what its optimizers receive.
             self._keeper = self._new_keeper()
             metrics_lib.build_gradient_metrics(self)
             self._metrics_built_for = self._trainable_paths()
-            if _compat.BACKEND == "jax":
-                return _keeper.make_train_function(self)
-            if _compat.BACKEND == "torch":
-                # `UpdateRatio` compares each update's before and after.
-                self._keeper.record_updates = metrics_lib._measures_updates(self)
+            # `UpdateRatio` compares each update's before and after.
+            self._keeper.record_updates = metrics_lib._measures_updates(self)
+            return self._make_keeping_train_function(force)
         return super().make_train_function(force=force)
 
     def _trainable_paths(self):
@@ -662,16 +449,11 @@ class KeepGradModel(keras.Model):
             return None
         added = sorted(set(current) - set(keeper.trainable_paths))
         removed = sorted(set(keeper.trainable_paths) - set(current))
-        # On JAX the optimizer, built for the old variables, refuses a
-        # rebuilt training function: only `compile` makes a new one.
-        alternative = (
-            "" if _compat.BACKEND == "jax" else ", or `model.make_train_function(force=True)`"
-        )
         return (
             "The kept gradients are stale: the trainable variables changed "
             "since the training function was built (now trainable: "
             f"{added}; no longer trainable: {removed}). Call "
-            f"`model.compile(...)` again{alternative}, and train."
+            f"`model.compile(...)` again{self._stale_fix}, and train."
         )
 
     @property
@@ -689,7 +471,7 @@ class KeepGradModel(keras.Model):
             RuntimeError: The model was not trained yet, or its trainable
                 variables changed since the training function was built.
         """
-        return _keeper.nest_by_path(self._checked_keeper().read())
+        return _capture.nest_by_path(self._checked_keeper().read())
 
     @property
     def gradient_dtypes(self):
@@ -816,17 +598,6 @@ class KeepGradModel(keras.Model):
             )
         return gradients
 
-    if _compat.BACKEND == "torch":
-
-        def __getattr__(self, name):
-            # Only reached when normal lookup fails. `torch.nn.Module`'s
-            # `__getattr__` would replace the AttributeError that a property
-            # of this class raised (`gradients` of a model that keeps none)
-            # with "no attribute": raise the property's own again.
-            if isinstance(vars(KeepGradModel).get(name), property):
-                return object.__getattribute__(self, name)
-            return super().__getattr__(name)
-
 
 @keras.saving.register_keras_serializable(package="keras_keepgrad")
 class FunctionalKeepGradModel(KeepGradModel, _compat.Functional):
@@ -849,236 +620,10 @@ def _inject_functional(cls):
     return cls
 
 
-def _holds_saveable(value):
-    """Whether Keras's saving would save state found in `value`."""
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_saveable(item) for item in value)
-    return isinstance(value, _saving.KerasSaveable)
-
-
-@keras.saving.register_keras_serializable(package="keras_keepgrad")
-class WrappedKeepGradModel(KeepGradModel):
-    """What `keep_gradients()` returns for a model that is not functional.
-
-    It stands in for the wrapped model rather than adding a level above it,
-    so that its variables and files look like that model's:
-
-    - It opens no name scope of its own: a wrapped model built by the
-      wrapper's first call names its kernel `"net/dense/kernel"`, as it
-      would when called itself, not `"net/net/dense/kernel"`.
-    - `layers` are the wrapped model's layers, and the wrapped model's
-      attributes that the wrapper does not have are read through it: its
-      public ones (except those Keras sets on any model as it compiles and
-      trains it, such as `optimizer`) and private ones holding Keras
-      saveables (`kept.dense is model.dense`, `kept.units`,
-      `kept.encode(x)`). The wrapped model itself is kept under a private
-      name, so an attribute `model` of its own reads through too.
-    - Keras's saving walks a model's attributes (`dir(model)`) and saves
-      each saveable under its attribute name, so it writes and reads the
-      same groups for the wrapper as for the wrapped model (`dense/vars/0`,
-      `vars/0` for the wrapped model's own variables, `optimizer/...`):
-      weights files move between the two both ways. The wrapper adds only
-      `_kept_gradients`, which it writes when `save_gradients=True`.
-    """
-
-    def __init__(self, model, **kwargs):
-        super().__init__(**kwargs)
-        if isinstance(model, dict):
-            model = keras.saving.deserialize_keras_object(model)
-        self._wrapped = model
-        # Built with the wrapped model: it has no variables of its own, and
-        # Keras's `save_weights`/`load_weights` refuse an unbuilt model.
-        self.built = model.built
-
-    def call(self, inputs, training=None):
-        if self._wrapped._call_has_training_arg:
-            return self._wrapped(inputs, training=training)
-        return self._wrapped(inputs)
-
-    def _open_name_scope(self):
-        # Keras's `Layer.__call__` and `build` open the layer's name scope
-        # around building and calling; the wrapped model opens its own.
-        return contextlib.nullcontext()
-
-    @property
-    def layers(self):
-        return self._wrapped.layers
-
-    def _obj_type(self):
-        # Keras's saving skips the attributes every object of this type has.
-        return self._wrapped._obj_type()
-
-    def save_own_variables(self, store):
-        self._wrapped.save_own_variables(store)
-
-    def load_own_variables(self, store):
-        self._wrapped.load_own_variables(store)
-
-    def _reads_through(self, name, value):
-        """Whether the wrapped model's attribute `name` shows on the wrapper."""
-        if name.startswith("__") or name in _compat.MODEL_STATE_ATTRIBUTES:
-            return False
-        return not name.startswith("_") or _holds_saveable(value)
-
-    def __getattr__(self, name):
-        # Only reached when normal lookup fails. A property of the wrapper
-        # that raised AttributeError raises it again, with its own message.
-        if hasattr(type(self), name):
-            return object.__getattribute__(self, name)
-        if _compat.BACKEND == "torch":
-            # `torch.nn.Module` keeps submodules (the wrapped model among
-            # them), parameters and buffers out of `__dict__`.
-            try:
-                return torch.nn.Module.__getattr__(self, name)
-            except AttributeError:
-                pass
-        model = self._wrapped_model()
-        if model is not None and not name.startswith("__"):
-            try:
-                value = getattr(model, name)
-            except AttributeError:
-                pass
-            else:
-                if self._reads_through(name, value):
-                    return value
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def _wrapped_model(self):
-        """The wrapped model, or None while `__init__` has not set it."""
-        model = self.__dict__.get("_wrapped")
-        if model is None:
-            # On PyTorch, `torch.nn.Module` holds it among its submodules.
-            model = self.__dict__.get("_modules", {}).get("_wrapped")
-        return model
-
-    def __dir__(self):
-        names = set(super().__dir__())
-        model = self._wrapped_model()
-        if model is None:
-            return sorted(names)
-        names.discard("_wrapped")  # saved as this model, not below it
-        for name in dir(model):
-            if name in names or name.startswith("__"):
-                continue
-            try:
-                value = getattr(model, name)
-            except Exception:
-                continue
-            if self._reads_through(name, value):
-                names.add(name)
-        return sorted(names)
-
-    def get_config(self):
-        config = super().get_config()
-        config["model"] = keras.saving.serialize_keras_object(self._wrapped)
-        return config
-
-
-_STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
-
-
-def _overridden_steps(cls):
-    """The step methods that `cls` defines outside Keras and this package."""
-    found = []
-    for name in _STEP_METHODS:
-        owner = next(c for c in cls.__mro__ if name in vars(c))
-        if not owner.__module__.startswith(("keras.", "keras_keepgrad.")):
-            found.append(name)
-    return found
-
-
-def keep_gradients(model: keras.Model, **options: Any) -> "KeepGradModel":
-    """Returns a `KeepGradModel` that trains `model`'s own variables.
-
-    A functional or `Sequential` model (with an `Input`) becomes a functional
-    `KeepGradModel` over the same layers; any other model is wrapped. Either
-    way the variables are shared, so training the result trains `model`, and
-    the kept gradients are keyed by the same variable paths. If `model` was
-    compiled, the result is compiled with the same arguments and the same
-    optimizer object (its state carries over).
-
-    Args:
-        model: A `keras.Model`: Sequential, functional or subclassed.
-        **options: `keep_gradients`, `save_gradients` and `keep_every`, as
-            for `KeepGradModel`.
-
-    Returns:
-        A `KeepGradModel`.
-
-    Raises:
-        TypeError: `model` is not a `keras.Model`, or an option is unknown
-            or not a bool.
-        ValueError: `keep_every` is not a positive int.
-
-    Warns:
-        UserWarning: `model`'s class overrides `train_step`, `test_step`,
-            `predict_step`, `compute_loss` or `compute_metrics`, which the
-            returned model does not run.
-
-    Examples:
-        >>> import keras, numpy as np
-        >>> import keras_keepgrad as kg
-        >>> plain = keras.Sequential([
-        ...     keras.Input((1,)),
-        ...     keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
-        ...                        name="dense")], name="doc_seq")
-        >>> model = kg.keep_gradients(plain)
-        >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        >>> history = model.fit(np.array([[1.0], [2.0]]), np.zeros((2, 1)),
-        ...                     batch_size=2, verbose=0)
-        >>> list(model.get_gradients_by_path())  # the original's variable paths
-        ['doc_seq/dense/kernel']
-        >>> model.gradients["doc_seq"]["dense"]["kernel"].numpy()
-        array([[5.]], dtype=float32)
-        >>> plain.get_weights()[0]  # the original model was trained
-        array([[0.5]], dtype=float32)
-    """
-    _compat.check_backend("keep_gradients()")
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            "`model` must be a `keras.Model` (Sequential, functional or "
-            f"subclassed). Received: model={model!r} of type "
-            f"{type(model).__name__}"
-        )
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"keep_gradients() got unknown options {unknown}. Valid options: {list(_OPTIONS)}"
-        )
-    overridden = _overridden_steps(type(model))
-    if overridden:
-        warnings.warn(
-            f"keep_gradients(): {type(model).__name__} overrides {overridden}, "
-            "which the returned model does not run: it trains, evaluates and "
-            "predicts with `KeepGradModel`'s own steps. Define them on a "
-            "subclass of `kg.KeepGradModel` instead: a `train_step` of your "
-            "own there keeps every gradient its optimizers receive.",
-            stacklevel=2,
-        )
-    inputs = outputs = None
-    if isinstance(model, (_compat.Functional, keras.Sequential)):
-        inputs, outputs = _compat.functional_structure(model)
-    # Under the strategy `model` was made in, as Keras's own models take it
-    # from the scope they are made in: its variables are that strategy's.
-    strategy = getattr(model, "_distribute_strategy", None)
-    with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        if inputs is not None:
-            kept = FunctionalKeepGradModel(inputs, outputs, name=model.name, **options)
-        else:
-            kept = WrappedKeepGradModel(model, name=model.name, **options)
-        if model.compiled:
-            config = _compat.compile_arguments(model)
-            config["optimizer"] = model.optimizer
-            kept.compile(**kept._without_torch_compile(config, f"Model {model.name!r}"))
-    return kept
-
-
 # Keras's legacy `.h5` format records a model's bare class name, and its
 # loader looks that up among the global custom objects (not the
 # package-qualified names registered above): so `load_model("m.h5")` finds
 # these classes without `custom_objects`, as it finds Keras's own.
-for _cls in (KeepGradModel, FunctionalKeepGradModel, WrappedKeepGradModel):
+for _cls in (KeepGradModel, FunctionalKeepGradModel):
     keras.saving.get_custom_objects().setdefault(_cls.__name__, _cls)
 del _cls

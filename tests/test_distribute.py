@@ -790,9 +790,9 @@ def _scenario_reduction_reuse(strategy):
     import keras
 
     import keras_keepgrad as kg
-    from keras_keepgrad import _keeper
+    from keras_keepgrad.backend.tensorflow import distribute
 
-    original = _keeper.all_reduce_sum
+    original = distribute.all_reduce_sum
     calls = []
 
     def counting(grads):
@@ -800,7 +800,7 @@ def _scenario_reduction_reuse(strategy):
         calls.append(len(grads))
         return original(grads)
 
-    _keeper.all_reduce_sum = counting
+    distribute.all_reduce_sum = counting
     results = {}
     try:
         for name, options in (("sgd", {}), ("clipnorm", {"clipnorm": 1.0})):
@@ -820,7 +820,7 @@ def _scenario_reduction_reuse(strategy):
                 "all_reduces": list(calls),
             }
     finally:
-        _keeper.all_reduce_sum = original
+        distribute.all_reduce_sum = original
     return results
 
 

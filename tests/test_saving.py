@@ -307,7 +307,7 @@ def test_weights_files_move_between_plain_and_kept_models(tmp_path, kind, save_g
     kept = kg.keep_gradients(plain_model(built=False), save_gradients=save_gradients)
     # An unbuilt Sequential has no inputs yet, so it is wrapped.
     wrapped = kind == "sequential_without_input"
-    assert isinstance(kept, kg.model.WrappedKeepGradModel) == wrapped
+    assert isinstance(kept, kg.wrapping.WrappedKeepGradModel) == wrapped
     kept.fit(X, Y, batch_size=2, verbose=0)
     kept.save_weights(tmp_path / "kept.weights.h5")
     saved = saved_gradients(tmp_path / "kept.weights.h5")

@@ -330,7 +330,7 @@ def test_no_tensorflow_in_the_step():
     model = one_weight()
     fit_once(model, metrics=[kg.metrics.GradientNorm(), kg.metrics.UpdateRatio(per_layer=True)])
     assert float(kernel(model)[0, 0]) == 15.0
-    from keras_keepgrad import _keeper_jax
+    from keras_keepgrad.backend import jax as _keeper_jax
 
     assert "tensorflow" not in _keeper_jax.__dict__
 

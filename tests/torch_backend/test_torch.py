@@ -219,7 +219,7 @@ def test_keep_step_gradients_without_optimizer():
 def test_loss_scale_optimizer_keeps_the_unscaled_gradient_once(monkeypatch):
     # Scale 8: the optimizer receives 8 * 15 = 120; its inner SGD receives
     # 15 (its `apply` is not kept a second time, scaled or not).
-    from keras_keepgrad import _keeper_torch
+    from keras_keepgrad.backend import torch as _keeper_torch
 
     calls = []
     keep = _keeper_torch.GradientKeeper.keep_from_optimizer
@@ -535,8 +535,8 @@ def test_keep_every_holds_its_copy_through_in_place_zeroing():
 
 
 def test_no_tensorflow_in_the_keeper():
-    from keras_keepgrad import _keeper_torch
     from keras_keepgrad import _ops
+    from keras_keepgrad.backend import torch as _keeper_torch
 
     assert "tensorflow" not in _keeper_torch.__dict__
     assert "tensorflow" not in _ops.__dict__

@@ -27,9 +27,10 @@ that needs them longer copies them (`np.asarray`), as the callbacks of this
 package do.
 
 Nothing here imports TensorFlow. Written against Keras 3.15's JAX trainer;
-besides its public API it reads `optimizer._trainable_variables` (what the
-values `stateless_apply` takes pair with), `model._get_state_sharding_spec()`
-and `model._make_function()` (as `JAXTrainer.make_train_function` does).
+besides its public API it reads, through `_compat`, the variables a built
+optimizer updates (what the values `stateless_apply` takes pair with), the
+state's shardings and Keras's own step-function wrapper (as
+`JAXTrainer.make_train_function` does).
 """
 
 import functools
@@ -42,14 +43,21 @@ from keras import StatelessScope
 from keras import ops
 
 from keras_keepgrad import _capture
+from keras_keepgrad import _compat
 from keras_keepgrad._capture import evaluation_step
 from keras_keepgrad._capture import in_evaluation_step
 from keras_keepgrad._capture import nest_by_path
 from keras_keepgrad._ops import shared_squares
 from keras_keepgrad._ops import tf_ops
+from keras_keepgrad.backend import base
+from keras_keepgrad.backend.base import current_step_gradients
+from keras_keepgrad.backend.base import current_step_updates
+from keras_keepgrad.backend.base import densify
+from keras_keepgrad.backend.base import unscale
 
 __all__ = [
     "GradientKeeper",
+    "Trainer",
     "current_step_gradients",
     "current_step_updates",
     "current_step_variables",
@@ -64,30 +72,6 @@ __all__ = [
 ]
 
 
-def unscale(optimizer, variables, grads):
-    """What the optimizer's update receives (`_capture.unscale`).
-
-    Reads the optimizer's variables as the enclosing `StatelessScope` maps
-    them.
-    """
-    return _capture.unscale(optimizer, variables, grads)
-
-
-def densify(grad):
-    """The gradient as an array (JAX gradients are always dense)."""
-    return ops.convert_to_tensor(grad)
-
-
-def current_step_gradients():
-    """The `{path: grad}` kept so far in the training step being traced, else None.
-
-    Under a `keras.distribution` the step computes on global arrays, so
-    these are the global batch's gradients.
-    """
-    step = _capture.current_step()
-    return None if step is None else step.grads
-
-
 def current_step_variables():
     """`{path: value after the update}` of what the step kept, else None.
 
@@ -99,13 +83,7 @@ def current_step_variables():
     return {path: after for path, (_, after) in step.backend_state.updates.items()}
 
 
-def current_step_updates():
-    """`{path: (value before, value after)}` of the step's optimizer updates."""
-    step = _capture.current_step()
-    return None if step is None else step.backend_state.updates
-
-
-class GradientKeeper(_capture.HostCountedKeeper):
+class GradientKeeper(base.HostCountedKeeper):
     """Holds one model's kept gradients on JAX, keyed by variable path.
 
     The slots are arrays held by this object (not `keras.Variable`s), so
@@ -157,7 +135,7 @@ class GradientKeeper(_capture.HostCountedKeeper):
         Returns:
             What `apply` returns.
         """
-        variables = list(optimizer._trainable_variables)
+        variables = _compat.optimizer_variables(optimizer)
         mapping = list(zip(optimizer.variables, optimizer_variables))
         with StatelessScope(state_mapping=mapping):
             kept = unscale(optimizer, variables, grads)
@@ -248,7 +226,7 @@ def make_train_function(model):
     """
     keeper = model._keeper
     distributed = keras.distribution.distribution() is not None
-    state_shardings = model._get_state_sharding_spec() if distributed else None
+    state_shardings = _compat.state_sharding_spec(model) if distributed else None
     if distributed:
         # Each slot takes its variable's layout (replicated under
         # `DataParallel`, sharded as the variable under `ModelParallel`).
@@ -314,7 +292,7 @@ def make_train_function(model):
         keeper.stepped(kept)
         return logs, state
 
-    model.train_function = model._make_function(train_step)
+    model.train_function = _compat.make_function(model, train_step)
 
 
 def _reattach(model, state):
@@ -338,3 +316,21 @@ def _reattach(model, state):
     ):
         for variable, value in zip(variables, values):
             variable.assign(value)
+
+
+class Trainer(base.Trainer):
+    """`KeepGradModel` on JAX: the slots threaded through the jitted step."""
+
+    # The optimizer, built for the old variables, refuses a rebuilt
+    # training function: only `compile` makes a new one.
+    _stale_fix = ""
+
+    def _new_keeper(self):
+        return GradientKeeper(every=self._keep_every)
+
+    def _make_keeping_train_function(self, force):
+        return make_train_function(self)
+
+    def _restores_state_on_error(self):
+        # Steps are pure, and `_reattach` puts back what a raising step took.
+        return False

@@ -6,7 +6,7 @@ parameter's `.grad` to None), the scaled loss's `backward()`, reads each
 variable's `v.value.grad` and calls `optimizer.apply(grads, variables)`
 under `torch.no_grad()`. (With `jit_compile=True` Keras would hand the
 step to `torch.compile`; a keeping model refuses that, see
-`KeepGradModel._refuse_torch_compile`.)
+`Trainer._refuse_torch_compile`.)
 
 Keeping follows that model. `_capture` hands this keeper the gradients
 each `optimizer.apply` receives (a `LossScaleOptimizer`'s inner `apply` is
@@ -40,7 +40,9 @@ trainer; besides Keras's public API it reads the torch tensor behind a
 variable (`variable.value`) and a tensor's version counter.
 """
 
+import inspect
 import types
+import warnings
 import weakref
 
 import keras
@@ -49,14 +51,21 @@ import torch
 from keras import ops
 
 from keras_keepgrad import _capture
+from keras_keepgrad import _compat
 from keras_keepgrad._capture import evaluation_step
 from keras_keepgrad._capture import in_evaluation_step
 from keras_keepgrad._capture import nest_by_path
 from keras_keepgrad._ops import shared_squares
 from keras_keepgrad._ops import tf_ops
+from keras_keepgrad.backend import base
+from keras_keepgrad.backend.base import current_step_gradients
+from keras_keepgrad.backend.base import current_step_updates
+from keras_keepgrad.backend.base import densify
+from keras_keepgrad.backend.base import unscale
 
 __all__ = [
     "GradientKeeper",
+    "Trainer",
     "current_step_gradients",
     "current_step_updates",
     "densify",
@@ -68,16 +77,6 @@ __all__ = [
     "tf_ops",
     "unscale",
 ]
-
-
-def unscale(optimizer, variables, grads):
-    """What the optimizer's update receives (`_capture.unscale`)."""
-    return _capture.unscale(optimizer, variables, grads)
-
-
-def densify(grad):
-    """The gradient as a tensor (PyTorch gradients here are dense)."""
-    return ops.convert_to_tensor(grad)
 
 
 def numpy_dtype(dtype):
@@ -94,22 +93,6 @@ def numpy_dtype(dtype):
     return np.dtype(name)
 
 
-def current_step_gradients():
-    """The `{path: grad}` kept so far in the training step being run, else None."""
-    step = _capture.current_step()
-    return None if step is None else step.grads
-
-
-def current_step_updates():
-    """`{path: (value before, value after)}` of the step's optimizer updates.
-
-    Recorded only where the keeper was asked to (`record_updates`, for
-    `UpdateRatio`): the value before is a copy.
-    """
-    step = _capture.current_step()
-    return None if step is None else step.backend_state.updates
-
-
 def _written_message(optimizer, paths):
     return (
         f"The update of optimizer {optimizer.name!r} wrote the gradients of "
@@ -121,7 +104,7 @@ def _written_message(optimizer, paths):
     )
 
 
-class GradientKeeper(_capture.HostCountedKeeper):
+class GradientKeeper(base.HostCountedKeeper):
     """Holds one model's kept gradients on PyTorch, keyed by variable path.
 
     The slots are detached tensors of what the optimizers received
@@ -202,10 +185,12 @@ class GradientKeeper(_capture.HostCountedKeeper):
             if not reads_only:
                 for i in shared:
                     kept[i] = kept[i].clone()
-            versions = [grads[i]._version for i in shared]
+            versions = [_compat.tensor_version(grads[i]) for i in shared]
             before = [v.value.detach().clone() for v in variables] if self.record_updates else None
         result = apply(grads)
-        written = [i for i, seen in zip(shared, versions) if grads[i]._version != seen]
+        written = [
+            i for i, seen in zip(shared, versions) if _compat.tensor_version(grads[i]) != seen
+        ]
         if not reads_only:
             # Copied before the update; after it from the next step on, if
             # this one left every gradient unwritten (cheaper: see the
@@ -268,3 +253,92 @@ class GradientKeeper(_capture.HostCountedKeeper):
     def slot_variables(self):
         """Every tensor the keeper holds (for tests and saving)."""
         return list((self.slots or {}).values())
+
+
+class Trainer(base.Trainer):
+    """`KeepGradModel` on PyTorch: eager steps, `torch.compile` refused."""
+
+    def _new_keeper(self):
+        return GradientKeeper(every=self._keep_every, name=self.name)
+
+    def _checked_jit_compile(self, value):
+        if value and getattr(self, "_keep_gradients", False):
+            value = self._refuse_torch_compile(value)
+        return value
+
+    def _check_keeping_allowed(self):
+        if getattr(self, "_jit_compile", False):
+            self._refuse_torch_compile(True)  # before anything changes
+
+    def _compile_config_made_elsewhere(self, config, what):
+        """`compile` arguments made elsewhere, `jit_compile` off.
+
+        A file compiled with XLA on another backend, or a plain model that
+        `keep_gradients()` wraps with its compile arguments: the request
+        was not made of this model, so it falls back, saying so.
+        """
+        jit_compile = config.get("jit_compile", "auto")
+        if (
+            self._keep_gradients
+            and jit_compile
+            and jit_compile != "auto"
+            and not config.get("run_eagerly")
+        ):
+            warnings.warn(
+                f"{what} was compiled with `jit_compile={jit_compile!r}`, which "
+                "a `KeepGradModel` that keeps gradients does not support on "
+                "the PyTorch backend (TensorFlow and JAX do): compiled with "
+                "`jit_compile=False` (eager) instead.",
+                stacklevel=3,
+            )
+            config = dict(config, jit_compile=False)
+        return config
+
+    def _refuse_torch_compile(self, value):
+        """Raises.
+
+        `torch.compile` splits the step into pieces (at `loss.backward()`
+        and at the keeping itself), its compiled `Adam` update writes the
+        gradient tensors it receives in place, and gradient metrics fail to
+        trace: keeping under it is not verified exact. Eager is Keras's
+        default on PyTorch anyway. Called before anything is changed.
+        """
+        raise ValueError(
+            "`jit_compile=True` (`torch.compile`) is not supported by a "
+            "`KeepGradModel` that keeps gradients on the PyTorch backend: "
+            "keeping under the compiled step is not verified exact, and "
+            "gradient metrics do not trace under it. The TensorFlow and JAX "
+            "backends support it (XLA). On PyTorch pass `jit_compile=False` "
+            "(eager, Keras's default there), or `keep_gradients=False` for "
+            f"a plain compiled model. Received: jit_compile={value!r}."
+        )
+
+    def _check_compile_arguments(self, args, kwargs):
+        if not self._keep_gradients:
+            return
+        # Refused before Keras's `compile` sets the optimizer and loss,
+        # so that a refused call leaves the model as it was. Keras turns
+        # "auto" off on PyTorch, and any value off under `run_eagerly`.
+        arguments = inspect.signature(keras.Model.compile).bind(self, *args, **kwargs).arguments
+        jit_compile = arguments.get("jit_compile", "auto")
+        if jit_compile and jit_compile != "auto" and not arguments.get("run_eagerly"):
+            self._refuse_torch_compile(jit_compile)
+
+    def _module_attribute(self, name):
+        # `torch.nn.Module` keeps submodules, parameters and buffers out of
+        # `__dict__`.
+        return torch.nn.Module.__getattr__(self, name)
+
+    def __getattr__(self, name):
+        # Only reached when normal lookup fails. `torch.nn.Module`'s
+        # `__getattr__` would replace the AttributeError that a property
+        # of `KeepGradModel` raised (`gradients` of a model that keeps
+        # none) with "no attribute": raise the property's own again.
+        for cls in type(self).__mro__:
+            if name in vars(cls):
+                if isinstance(vars(cls)[name], property) and cls.__module__.startswith(
+                    "keras_keepgrad."
+                ):
+                    return object.__getattribute__(self, name)
+                break
+        return super().__getattr__(name)

@@ -1,0 +1,45 @@
+"""The keeping mechanism of the running Keras backend, picked once.
+
+The only place that tests which backend runs: the rest of the package uses
+the names below, which are the running backend's.
+
+- `GradientKeeper`: the backend's `base.Keeper`.
+- `Trainer`: the backend's `base.Trainer`, a base of `KeepGradModel`.
+- `densify`, `unscale`, `current_step_gradients`: reading the gradients
+  of the training step being run or traced (`current_step_variables`,
+  `current_step_updates` and `reduces_in_step` where the backend has them).
+- `evaluation_step`, `in_evaluation_step`, `nest_by_path`: from `_capture`.
+"""
+
+from keras_keepgrad import _compat
+from keras_keepgrad._capture import evaluation_step
+from keras_keepgrad._capture import in_evaluation_step
+from keras_keepgrad._capture import nest_by_path
+
+if _compat.BACKEND == "jax":
+    from keras_keepgrad.backend.jax import GradientKeeper
+    from keras_keepgrad.backend.jax import Trainer
+    from keras_keepgrad.backend.jax import current_step_gradients
+    from keras_keepgrad.backend.jax import current_step_updates
+    from keras_keepgrad.backend.jax import current_step_variables
+    from keras_keepgrad.backend.jax import densify
+    from keras_keepgrad.backend.jax import unscale
+elif _compat.BACKEND == "torch":
+    from keras_keepgrad.backend.torch import GradientKeeper
+    from keras_keepgrad.backend.torch import Trainer
+    from keras_keepgrad.backend.torch import current_step_gradients
+    from keras_keepgrad.backend.torch import current_step_updates
+    from keras_keepgrad.backend.torch import densify
+    from keras_keepgrad.backend.torch import unscale
+else:
+    from keras_keepgrad.backend.tensorflow.distribute import reduces_in_step
+    from keras_keepgrad.backend.tensorflow.keeper import GradientKeeper
+    from keras_keepgrad.backend.tensorflow.keeper import current_step_gradients
+    from keras_keepgrad.backend.tensorflow.keeper import current_step_variables
+    from keras_keepgrad.backend.tensorflow.keeper import densify
+    from keras_keepgrad.backend.tensorflow.keeper import unscale
+    from keras_keepgrad.backend.tensorflow.trainer import Trainer
+
+# Optimizer methods that hand gradients to the keeper: on JAX a step's
+# optimizers update through `stateless_apply`; elsewhere it calls `apply`.
+CAPTURED_METHODS = ("apply", "stateless_apply") if _compat.BACKEND == "jax" else ("apply",)

@@ -1,0 +1,1 @@
+"""The keeping mechanism on TensorFlow."""
