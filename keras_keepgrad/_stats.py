@@ -18,7 +18,7 @@ In the step the sums are float32 only, with no conditional (a conditional
 costs more than the sums on a small model): a sum that overflows float32
 reads inf like a gradient holding inf. Readers that must tell them apart
 look again where a value is not finite, which is rare: the callbacks sum
-the slots in float64 (`_grad_stats.LatestNorms`), `NonFiniteGradients`
+the slots in float64 (`callbacks._reading.LatestNorms`), `NonFiniteGradients`
 checks the entries.
 
 The vector lives in a plain `tf.Variable` held by a `_Holder` on the model,
@@ -31,7 +31,7 @@ import weakref
 
 import tensorflow as tf
 
-from keras_keepgrad import _grad_stats
+from keras_keepgrad.callbacks import _reading
 
 __all__ = ["read", "record", "require", "shared_squares", "step_statistics", "sum_squares"]
 
@@ -60,7 +60,7 @@ def step_statistics(grads_by_path, layer_order=None):
     Args:
         grads_by_path: Dict `{variable path: gradient}` (dense tensors or
             `tf.IndexedSlices`), in `model.trainable_variables` order.
-        layer_order: Tuple of layer names (`_grad_stats.layer_of` of the
+        layer_order: Tuple of layer names (`callbacks._reading.layer_of` of the
             paths), in the order the per-layer sums are wanted. Defaults to
             the order in which the layers first appear in `grads_by_path`.
 
@@ -110,8 +110,8 @@ def _layer_index(paths, layer_order=None):
     for layer in layer_order or ():
         positions.setdefault(layer, len(positions))
     for path in paths:
-        positions.setdefault(_grad_stats.layer_of(path), len(positions))
-    return tuple(positions), [positions[_grad_stats.layer_of(p)] for p in paths]
+        positions.setdefault(_reading.layer_of(path), len(positions))
+    return tuple(positions), [positions[_reading.layer_of(p)] for p in paths]
 
 
 # Sharing within a step -------------------------------------------------------

@@ -26,8 +26,8 @@ from conftest import free_ports
 from tensorboard.backend.event_processing import event_accumulator
 
 import keras_keepgrad as kg
-from keras_keepgrad import _tb_panels
 from keras_keepgrad import callbacks
+from keras_keepgrad.callbacks import panels
 
 
 def hand_model(lr=0.1, optimizer=None, keep_every=1, **compile_kwargs):
@@ -153,17 +153,15 @@ def test_tensorboard_log10_norms_in_forward_order(hand_run):
 
 def test_log10_tags_number_layers_in_forward_order():
     layers = [f"layer_{i}" for i in range(12)]
-    tags = _tb_panels.log10_norm_tags(["dense_b", "bn_a", "out"])
+    tags = panels.log10_norm_tags(["dense_b", "bn_a", "out"])
     assert tags == [
         "log10_grad_norm/00_dense_b",
         "log10_grad_norm/01_bn_a",
         "log10_grad_norm/02_out",
     ]
     # Sorting the tags as text (as TensorBoard does) keeps forward order.
-    assert sorted(_tb_panels.log10_norm_tags(layers)) == _tb_panels.log10_norm_tags(layers)
-    assert _tb_panels.log10_norm_tags([f"l{i}" for i in range(101)])[7] == (
-        "log10_grad_norm/007_l7"
-    )
+    assert sorted(panels.log10_norm_tags(layers)) == panels.log10_norm_tags(layers)
+    assert panels.log10_norm_tags([f"l{i}" for i in range(101)])[7] == ("log10_grad_norm/007_l7")
 
 
 def test_tensorboard_histograms_sit_beside_the_weights(hand_run):
@@ -255,7 +253,7 @@ def test_tensorboard_marks_nonfinite_steps_and_histogram_slices(tmp_path):
 
 def test_nonfinite_histogram_kinds():
     # -1 for -inf, 0 for NaN, +1 for +inf; finite entries are not counted.
-    assert _tb_panels.nonfinite_kinds(
+    assert panels.nonfinite_kinds(
         tf.constant([1.0, -np.inf, np.nan, np.inf, np.nan])
     ).numpy().tolist() == [-1.0, 0.0, 1.0, 0.0]
 
@@ -291,7 +289,7 @@ def test_tensorboard_heatmap_is_a_labelled_figure(hand_run):
     assert (image == [255, 0, 0]).all(axis=-1).sum() < 500
     # log10 of 15, 7.5, 3.75 span 0.6 decade, widened to 1 about the
     # middle: neither end color, the middle column near viridis's middle.
-    assert _tb_panels.color_range(np.log10([[15.0, 7.5, 3.75]])) == pytest.approx(
+    assert panels.color_range(np.log10([[15.0, 7.5, 3.75]])) == pytest.approx(
         (np.log10(7.5) - 0.5, np.log10(7.5) + 0.5)
     )
     # So the three cells, steps 1 to 3 left to right, are viridis at
@@ -314,28 +312,28 @@ def test_heatmap_color_range_ignores_a_spike():
     logs = np.full((3, 35), -2.0)
     logs[:, :34] += np.linspace(-1.0, 1.0, 34)  # -3 .. -1
     logs[:, 34] = np.log10(2.9e8)
-    low, high = _tb_panels.color_range(logs)
+    low, high = panels.color_range(logs)
     finite = np.sort(logs.ravel())
     assert low == pytest.approx(np.percentile(finite, 5))
     assert high == pytest.approx(np.percentile(finite, 95)) and high < -1.0
     # Zeros (-inf) and NaN are left out; nothing finite: a unit range.
-    assert _tb_panels.color_range([[-np.inf, np.nan, 1.0, 3.0]]) == pytest.approx((1.1, 2.9))
-    assert _tb_panels.color_range([[np.nan]]) == (-0.5, 0.5)
+    assert panels.color_range([[-np.inf, np.nan, 1.0, 3.0]]) == pytest.approx((1.1, 2.9))
+    assert panels.color_range([[np.nan]]) == (-0.5, 0.5)
 
 
 def test_heatmap_column_edges_and_first_nonfinite():
     # Columns end at steps 4, 8, 10: they cover (0, 4], (4, 8], (8, 10].
-    assert _tb_panels.column_edges([4, 8, 10]).tolist() == [0.0, 4.0, 8.0, 10.0]
-    assert _tb_panels.column_edges([7]).tolist() == [6.0, 7.0]
+    assert panels.column_edges([4, 8, 10]).tolist() == [0.0, 4.0, 8.0, 10.0]
+    assert panels.column_edges([7]).tolist() == [6.0, 7.0]
     columns = np.array([[1.0, 1.0], [1.0, 1.0], [np.nan, 1.0], [np.inf, np.nan]])
-    assert _tb_panels.first_nonfinite(columns, [1, 2, 3, 4]) == (3, 0)
+    assert panels.first_nonfinite(columns, [1, 2, 3, 4]) == (3, 0)
     columns[2, 0] = 1.0
-    assert _tb_panels.first_nonfinite(columns, [1, 2, 3, 4]) == (4, 0)
-    assert _tb_panels.first_nonfinite(np.ones((2, 2)), [1, 2]) is None
+    assert panels.first_nonfinite(columns, [1, 2, 3, 4]) == (4, 0)
+    assert panels.first_nonfinite(np.ones((2, 2)), [1, 2]) is None
 
 
 def test_heatmap_marks_zero_and_nonfinite_and_merges_columns_evenly():
-    rgb = _tb_panels.colorize(np.array([[1.0, 100.0, 0.0, np.nan, np.inf]]))
+    rgb = panels.colorize(np.array([[1.0, 100.0, 0.0, np.nan, np.inf]]))
     assert rgb[0].tolist() == [
         [68, 1, 84],
         [253, 231, 37],
@@ -350,7 +348,7 @@ def test_heatmap_marks_zero_and_nonfinite_and_merges_columns_evenly():
     # geometric mean of its steps: 10^mean(log10).
     layer_a = [1, 100, 10, 10, 1000, 1000, 1, 100, 10, 10, 10, 10, 10, 1000]
     layer_b = [0, 1, 1, 1, np.nan, 1, 1, 1, 0, np.inf, 1, 1, 1, 1]
-    heatmap = _tb_panels.Heatmap(max_columns=4)
+    heatmap = panels.Heatmap(max_columns=4)
     for step, norms in enumerate(zip(layer_a, layer_b), start=1):
         heatmap.add(step, norms)
         if step == 5:
@@ -374,7 +372,7 @@ def test_heatmap_columns_of_a_long_run_cover_equal_spans():
     # 3000 steps over at most 1024 columns: 1024 < 3000 <= 4096, so the span
     # is 4: 750 full columns of 4 steps each, no pending one. The geometric
     # mean of steps 4k-3 .. 4k with norm 10^step is 10^(4k - 1.5).
-    heatmap = _tb_panels.Heatmap(max_columns=1024)
+    heatmap = panels.Heatmap(max_columns=1024)
     for step in range(1, 3001):
         heatmap.add(step, [10.0 ** (step / 1000.0)])
     assert heatmap.steps == list(range(4, 3001, 4))
@@ -1088,7 +1086,7 @@ def test_buffered_scalars_are_written_before_the_monitor_raises(tmp_path, board_
 
 def test_scalar_writer_buffers_rows_until_full_or_flushed(tmp_path):
     writer = tf.summary.create_file_writer(str(tmp_path))
-    scalar_writer = _tb_panels.ScalarWriter(
+    scalar_writer = panels.ScalarWriter(
         writer, ["a", "b"], traced=True, max_rows=3, max_seconds=3600.0
     )
     scalar_writer.write(1, [1.0, 2.0])
