@@ -111,19 +111,19 @@ class GradientMonitor(keras.callbacks.Callback):
             )
         self.action = action
         self.check_nonfinite = _checks.check_bool("check_nonfinite", check_nonfinite)
-        self.min_loss_scale = _reading.check_positive_float("min_loss_scale", min_loss_scale)
-        self.vanishing_threshold = _reading.check_positive_float(
+        self.min_loss_scale = _checks.check_positive_float("min_loss_scale", min_loss_scale)
+        self.vanishing_threshold = _checks.check_positive_float(
             "vanishing_threshold", vanishing_threshold
         )
-        self.vanishing_steps = _reading.check_positive_int("vanishing_steps", vanishing_steps)
-        self.exploding_threshold = _reading.check_positive_float(
+        self.vanishing_steps = _checks.check_positive_int("vanishing_steps", vanishing_steps)
+        self.exploding_threshold = _checks.check_positive_float(
             "exploding_threshold", exploding_threshold
         )
-        self.exploding_factor = _reading.check_positive_float(
+        self.exploding_factor = _checks.check_positive_float(
             "exploding_factor", exploding_factor, above=1.0
         )
-        self.median_window = _reading.check_positive_int("median_window", median_window)
-        self.check_freq = _reading.check_frequency(
+        self.median_window = _checks.check_positive_int("median_window", median_window)
+        self.check_freq = _checks.check_frequency(
             "check_freq", check_freq, allow_epoch=False, allow_batch=False
         )
         self.events = []
@@ -138,7 +138,7 @@ class GradientMonitor(keras.callbacks.Callback):
         _stats.require(model)
 
     def on_train_begin(self, logs=None):
-        _reading.require_kept_gradients(self.model, "GradientMonitor")
+        _checks.require_kept_gradients(self.model, "GradientMonitor")
         self._steps.begin_train()
         self._new.begin(self.model)
         self._norms = _reading.LatestNorms(self.model)

@@ -13,6 +13,7 @@ import warnings
 import keras
 import numpy as np
 
+from keras_keepgrad import _checks
 from keras_keepgrad.callbacks import _reading
 
 __all__ = ["GradientSnapshot"]
@@ -79,7 +80,7 @@ class GradientSnapshot(keras.callbacks.Callback):
                 f"path={path!r} of type {type(path).__name__}"
             )
         self.path = os.fspath(path)
-        self.every = _reading.check_frequency("every", every, allow_batch=False)
+        self.every = _checks.check_frequency("every", every, allow_batch=False)
         if not self.path.endswith(".npz"):
             raise ValueError(
                 "`path` must end in '.npz' (e.g. 'grads/{step:06d}.npz'). "
@@ -99,12 +100,12 @@ class GradientSnapshot(keras.callbacks.Callback):
         self._new = _reading.NewGradients(self)
 
     def on_train_begin(self, logs=None):
-        _reading.require_kept_gradients(self.model, "GradientSnapshot")
+        _checks.require_kept_gradients(self.model, "GradientSnapshot")
         if self.model.built:
             # Fail before the first step where the variables exist already.
             self._check_paths(_reading.trainable_paths(self.model))
         directory = os.path.dirname(os.path.abspath(self.path.format(step=0, epoch=1)))
-        _reading.check_writable_dir(directory, "path", self.path)
+        _checks.check_writable_dir(directory, "path", self.path)
         _remove_stale_temporaries(self.path)
         self._steps.begin_train()
         self._new.begin(self.model)

@@ -128,10 +128,10 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         gradient_histogram_freq: int | None = None,
         **kwargs: Any,
     ) -> None:
-        update_freq = _reading.check_frequency("update_freq", update_freq)
-        histogram_freq = _reading.check_non_negative_int("histogram_freq", histogram_freq)
+        update_freq = _checks.check_frequency("update_freq", update_freq)
+        histogram_freq = _checks.check_non_negative_int("histogram_freq", histogram_freq)
         if gradient_histogram_freq is not None:
-            gradient_histogram_freq = _reading.check_frequency(
+            gradient_histogram_freq = _checks.check_frequency(
                 "gradient_histogram_freq", gradient_histogram_freq, allow_epoch=False
             )
         super().__init__(
@@ -156,15 +156,15 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         # written. (`keep_gradients=False` is refused at `on_train_begin`, so
         # that `evaluate` still takes the callback.)
         if not hasattr(model, "get_gradients_by_path"):
-            _reading.require_kept_gradients(model, "GradientTensorBoard")
+            _checks.require_kept_gradients(model, "GradientTensorBoard")
         # Fail at `fit`'s start with a clear message, not from the writer.
-        _reading.check_writable_dir(os.path.join(self.log_dir, "train"), "log_dir", self.log_dir)
+        _checks.check_writable_dir(os.path.join(self.log_dir, "train"), "log_dir", self.log_dir)
         super().set_model(model)
         # Before `fit` makes the training function: it records the norms.
         _stats.require(model)
 
     def on_train_begin(self, logs=None):
-        _reading.require_kept_gradients(self.model, "GradientTensorBoard")
+        _checks.require_kept_gradients(self.model, "GradientTensorBoard")
         super().on_train_begin(logs)
         self._steps.begin_train()
         self._new.begin(self.model)
