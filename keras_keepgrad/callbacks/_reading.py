@@ -1,4 +1,4 @@
-"""What the gradient callbacks share: layer groups, norms, steps.
+"""What the gradient callbacks share to read the kept values between steps.
 
 Callbacks read the kept gradients between steps through
 `model.get_gradients_by_path()`; everything here works on that flat
@@ -10,115 +10,20 @@ import warnings
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_keepgrad import _capture
 from keras_keepgrad import _stats
 
 __all__ = [
-    "GradientNorms",
     "LatestNorms",
+    "NewGradients",
     "StepCounter",
     "crossed",
-    "layer_of",
+    "kept_paths",
     "loss_scale_of",
+    "readable_gradients",
     "trainable_paths",
 ]
-
-
-def layer_of(path):
-    """The layer a variable belongs to: its path minus the last component.
-
-    `"dense_0/kernel"` -> `"dense_0"`, `"encoder/dense/bias"` ->
-    `"encoder/dense"`. A path without `/` is its own group.
-    """
-    head, sep, _ = path.rpartition("/")
-    return head if sep else path
-
-
-@tf.function(autograph=False)
-def _sum_squares(grads):
-    """float64 `[len(grads)]`: each gradient's sum of squares.
-
-    As `_stats.step_statistics` computes it in the step, for reading the
-    slots between steps. One dispatch for all variables (per-variable eager
-    ops would cost more than the reductions), module-level so that every
-    callback on the same model reuses one trace; `GradientNorms` calls its
-    concrete function, which skips the argument matching of each
-    `tf.function` call.
-    """
-    return _stats.sum_squares(list(grads))
-
-
-class StepNorms:
-    """One step's L2 norms: per layer (forward order) and global.
-
-    Attributes:
-        layer_norms: float64 array, one norm per layer of
-            `GradientNorms.layers`; NaN or inf where a gradient is not finite.
-        global_norm: Float. The L2 norm over all kept gradients.
-        layer_nonfinite: bool array, True where a layer's gradients hold a
-            NaN or an infinity.
-    """
-
-    def __init__(self, layer_norms, global_norm, layer_nonfinite):
-        self.layer_norms = layer_norms
-        self.global_norm = global_norm
-        self.layer_nonfinite = layer_nonfinite
-
-    @property
-    def nonfinite(self):
-        """Bool. Whether any gradient of the step holds a NaN or an infinity."""
-        return bool(self.layer_nonfinite.any())
-
-
-class GradientNorms:
-    """Computes per-layer and global gradient norms for fixed variables.
-
-    Layers are the variable paths minus their last component (`layer_of`),
-    in the order they first appear in `paths` (the order of
-    `model.trainable_variables`, i.e. forward order).
-
-    Args:
-        paths: The variable paths, in `model.trainable_variables` order.
-    """
-
-    def __init__(self, paths):
-        self.paths = tuple(paths)
-        layers = {}
-        for path in self.paths:
-            layers.setdefault(layer_of(path), len(layers))
-        self.layers = tuple(layers)
-        self._layer_index = np.array([layers[layer_of(p)] for p in self.paths], dtype=np.int64)
-        self._concrete = None
-
-    def __call__(self, grads_by_path):
-        """Returns the `StepNorms` of `{path: dense gradient}`."""
-        tensors = [grads_by_path[p] for p in self.paths]
-        if tensors:
-            if self._concrete is None:
-                # Variables keep their shapes: one signature per instance.
-                self._concrete = _sum_squares.get_concrete_function(tensors)
-            squares = self._concrete(tensors).numpy()
-        else:
-            squares = np.zeros((0,), np.float64)
-        return self.from_squares(squares)
-
-    def from_squares(self, squares):
-        """Returns the `StepNorms` of each variable's sum of squares."""
-        squares = np.asarray(squares, np.float64)
-        n_layers = len(self.layers)
-        with np.errstate(invalid="ignore"):
-            layer_squares = np.bincount(self._layer_index, weights=squares, minlength=n_layers)
-        var_nonfinite = ~np.isfinite(squares)
-        layer_nonfinite = (
-            np.bincount(self._layer_index, weights=var_nonfinite, minlength=n_layers) > 0
-        )
-        return StepNorms(
-            np.sqrt(layer_squares),
-            float(np.sqrt(np.sum(squares))),
-            layer_nonfinite,
-        )
 
 
 class LatestNorms:
@@ -134,7 +39,7 @@ class LatestNorms:
     """
 
     def __init__(self, model):
-        self.norms = GradientNorms(kept_paths(model))
+        self.norms = _stats.GradientNorms(kept_paths(model))
         self._seen = _stats.count(model)
         self._followed = None  # the keeper's `paths` last followed
 
@@ -155,7 +60,7 @@ class LatestNorms:
         paths = tuple(kept_paths(model))
         if paths == self.norms.paths:
             return False
-        self.norms = GradientNorms(paths)
+        self.norms = _stats.GradientNorms(paths)
         return True
 
     @property
