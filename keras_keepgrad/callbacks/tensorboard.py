@@ -15,6 +15,7 @@ import tensorflow as tf
 from keras_keepgrad import _checks
 from keras_keepgrad import _stats
 from keras_keepgrad.callbacks import _reading
+from keras_keepgrad.callbacks import heatmap
 from keras_keepgrad.callbacks import panels
 
 __all__ = ["GradientTensorBoard"]
@@ -169,7 +170,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self._steps.begin_train()
         self._new.begin(self.model)
         self._norms = _reading.LatestNorms(self.model)
-        self._heatmap = panels.Heatmap()
+        self._heatmap = heatmap.Heatmap()
         self._train_began = time.monotonic()
         self._heatmap_seconds = 0.0  # spent drawing it in this `fit`
         self._heatmap_last = 0.2  # seconds the last figure took (a guess above it)
@@ -221,7 +222,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             self._guarded(self._scalars.flush)
             self._scalars = self._norm_writer()
             if self._heatmap.columns:
-                self._heatmap = panels.Heatmap()
+                self._heatmap = heatmap.Heatmap()
         if not self._layout_written:
             self._layout_written = True
             self._guarded(self._write_layout)
@@ -418,7 +419,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
     def _write_heatmap(self, epoch):
         start = time.monotonic()
         self._heatmap_pending = None
-        image = panels.render_heatmap(self._heatmap, self._norms.layers)
+        image = heatmap.render_heatmap(self._heatmap, self._norms.layers)
         self._heatmap_last = time.monotonic() - start
         self._heatmap_seconds += self._heatmap_last
         with self._train_writer.as_default(), tf.summary.record_if(True):

@@ -27,6 +27,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 import keras_keepgrad as kg
 from keras_keepgrad import callbacks
+from keras_keepgrad.callbacks import heatmap as heatmaps
 from keras_keepgrad.callbacks import panels
 
 
@@ -289,7 +290,7 @@ def test_tensorboard_heatmap_is_a_labelled_figure(hand_run):
     assert (image == [255, 0, 0]).all(axis=-1).sum() < 500
     # log10 of 15, 7.5, 3.75 span 0.6 decade, widened to 1 about the
     # middle: neither end color, the middle column near viridis's middle.
-    assert panels.color_range(np.log10([[15.0, 7.5, 3.75]])) == pytest.approx(
+    assert heatmaps.color_range(np.log10([[15.0, 7.5, 3.75]])) == pytest.approx(
         (np.log10(7.5) - 0.5, np.log10(7.5) + 0.5)
     )
     # So the three cells, steps 1 to 3 left to right, are viridis at
@@ -312,28 +313,28 @@ def test_heatmap_color_range_ignores_a_spike():
     logs = np.full((3, 35), -2.0)
     logs[:, :34] += np.linspace(-1.0, 1.0, 34)  # -3 .. -1
     logs[:, 34] = np.log10(2.9e8)
-    low, high = panels.color_range(logs)
+    low, high = heatmaps.color_range(logs)
     finite = np.sort(logs.ravel())
     assert low == pytest.approx(np.percentile(finite, 5))
     assert high == pytest.approx(np.percentile(finite, 95)) and high < -1.0
     # Zeros (-inf) and NaN are left out; nothing finite: a unit range.
-    assert panels.color_range([[-np.inf, np.nan, 1.0, 3.0]]) == pytest.approx((1.1, 2.9))
-    assert panels.color_range([[np.nan]]) == (-0.5, 0.5)
+    assert heatmaps.color_range([[-np.inf, np.nan, 1.0, 3.0]]) == pytest.approx((1.1, 2.9))
+    assert heatmaps.color_range([[np.nan]]) == (-0.5, 0.5)
 
 
 def test_heatmap_column_edges_and_first_nonfinite():
     # Columns end at steps 4, 8, 10: they cover (0, 4], (4, 8], (8, 10].
-    assert panels.column_edges([4, 8, 10]).tolist() == [0.0, 4.0, 8.0, 10.0]
-    assert panels.column_edges([7]).tolist() == [6.0, 7.0]
+    assert heatmaps.column_edges([4, 8, 10]).tolist() == [0.0, 4.0, 8.0, 10.0]
+    assert heatmaps.column_edges([7]).tolist() == [6.0, 7.0]
     columns = np.array([[1.0, 1.0], [1.0, 1.0], [np.nan, 1.0], [np.inf, np.nan]])
-    assert panels.first_nonfinite(columns, [1, 2, 3, 4]) == (3, 0)
+    assert heatmaps.first_nonfinite(columns, [1, 2, 3, 4]) == (3, 0)
     columns[2, 0] = 1.0
-    assert panels.first_nonfinite(columns, [1, 2, 3, 4]) == (4, 0)
-    assert panels.first_nonfinite(np.ones((2, 2)), [1, 2]) is None
+    assert heatmaps.first_nonfinite(columns, [1, 2, 3, 4]) == (4, 0)
+    assert heatmaps.first_nonfinite(np.ones((2, 2)), [1, 2]) is None
 
 
 def test_heatmap_marks_zero_and_nonfinite_and_merges_columns_evenly():
-    rgb = panels.colorize(np.array([[1.0, 100.0, 0.0, np.nan, np.inf]]))
+    rgb = heatmaps.colorize(np.array([[1.0, 100.0, 0.0, np.nan, np.inf]]))
     assert rgb[0].tolist() == [
         [68, 1, 84],
         [253, 231, 37],
@@ -348,7 +349,7 @@ def test_heatmap_marks_zero_and_nonfinite_and_merges_columns_evenly():
     # geometric mean of its steps: 10^mean(log10).
     layer_a = [1, 100, 10, 10, 1000, 1000, 1, 100, 10, 10, 10, 10, 10, 1000]
     layer_b = [0, 1, 1, 1, np.nan, 1, 1, 1, 0, np.inf, 1, 1, 1, 1]
-    heatmap = panels.Heatmap(max_columns=4)
+    heatmap = heatmaps.Heatmap(max_columns=4)
     for step, norms in enumerate(zip(layer_a, layer_b), start=1):
         heatmap.add(step, norms)
         if step == 5:
@@ -372,7 +373,7 @@ def test_heatmap_columns_of_a_long_run_cover_equal_spans():
     # 3000 steps over at most 1024 columns: 1024 < 3000 <= 4096, so the span
     # is 4: 750 full columns of 4 steps each, no pending one. The geometric
     # mean of steps 4k-3 .. 4k with norm 10^step is 10^(4k - 1.5).
-    heatmap = panels.Heatmap(max_columns=1024)
+    heatmap = heatmaps.Heatmap(max_columns=1024)
     for step in range(1, 3001):
         heatmap.add(step, [10.0 ** (step / 1000.0)])
     assert heatmap.steps == list(range(4, 3001, 4))
