@@ -1,8 +1,10 @@
 """What the gradient callbacks share to read the kept values between steps.
 
-Callbacks read the kept gradients between steps through
-`model.get_gradients_by_path()`; everything here works on that flat
-`{variable path: dense tensor}` view and returns NumPy values.
+Callbacks read the kept gradients between steps through the model's
+public API only: `model.kept_step` says which step the slots hold and what
+it kept, `model.get_gradients_by_path()` gives them as a flat
+`{variable path: dense tensor}` view; everything here returns NumPy
+values or ints.
 """
 
 import bisect
@@ -41,23 +43,28 @@ class LatestNorms:
     def __init__(self, model):
         self.norms = _stats.GradientNorms(kept_paths(model))
         self._seen = _stats.count(model)
-        self._followed = None  # the keeper's `paths` last followed
+        self._followed = None  # the `kept_step.paths` last followed
 
-    def follow(self, model):
+    def follow(self, model, kept=None):
         """Takes the paths the step kept; returns whether they changed.
 
         Before the training function is traced (at the first `fit`'s
         `on_train_begin`) they are not known, and taken to be the trainable
         paths; a step may keep fewer (a variable no optimizer receives).
-        Called every batch: the keeper's `paths`, set anew by each traced
-        step, are compared by identity before the paths are listed.
+        Called every batch: the kept `paths`, set anew by each traced step,
+        are compared by identity before the paths are listed.
+
+        Args:
+            model: The model.
+            kept: Its `kept_step`, if the caller read it already.
         """
-        keeper = getattr(model, "_keeper", None)
-        kept = None if keeper is None else keeper.paths
-        if kept and kept is self._followed:
+        if kept is None:
+            kept = model.kept_step
+        followed = None if kept is None else kept.paths
+        if followed and followed is self._followed:
             return False
-        self._followed = kept
-        paths = tuple(kept_paths(model))
+        self._followed = followed
+        paths = tuple(kept_paths(model, kept))
         if paths == self.norms.paths:
             return False
         self.norms = _stats.GradientNorms(paths)
@@ -159,13 +166,21 @@ class NewGradients:
         The slots may still hold a write of an earlier `fit`; a step of
         this `fit` cannot be its label.
         """
-        keeper = model._keeper
-        self._seen = None if keeper is None else keeper.last_write()[0]
+        kept = model.kept_step
+        self._seen = None if kept is None else kept.write
 
-    def nothing_kept(self, model):
-        """Whether the last step kept nothing; warns the first time it did."""
-        keeper = model._keeper
-        if keeper is None or not keeper.kept_nothing:
+    def nothing_kept(self, model, kept=None):
+        """Whether the last step kept nothing; warns the first time it did.
+
+        Args:
+            model: The model.
+            kept: Its `kept_step`, if the caller read it already.
+        """
+        if kept is None:
+            kept = model.kept_step
+        # A step of a model without trainable variables keeps nothing either,
+        # and has nothing to say.
+        if kept is None or kept.paths != () or not model.trainable_variables:
             return False
         if not self._warned:
             self._warned = True
@@ -176,17 +191,19 @@ class NewGradients:
             )
         return True
 
-    def step_of(self, model, step):
+    def step_of(self, model, step, kept=None):
         """The step the kept gradients come from, or None if already read.
 
         Args:
             model: The `KeepGradModel` being trained.
             step: The callback's current step (`StepCounter.step`).
+            kept: Its `kept_step`, if the caller read it already.
         """
-        if self.nothing_kept(model):
+        if kept is None:
+            kept = model.kept_step
+        if self.nothing_kept(model, kept):
             return None
-        keeper = model._keeper
-        write, age = (None, 0) if keeper is None else keeper.last_write()
+        write, age = (None, 0) if kept is None else (kept.write, kept.age)
         if write is not None:
             if write == self._seen:
                 return None
@@ -234,9 +251,15 @@ def trainable_paths(model):
     return [v.path for v in model.trainable_variables]
 
 
-def kept_paths(model):
-    """The paths the model's last traced step kept, else its trainable paths."""
-    keeper = getattr(model, "_keeper", None)
-    if keeper is not None and keeper.paths:
-        return list(keeper.paths)
+def kept_paths(model, kept=None):
+    """The paths the model's last traced step kept, else its trainable paths.
+
+    Args:
+        model: The model.
+        kept: Its `kept_step`, if the caller read it already.
+    """
+    if kept is None:
+        kept = model.kept_step
+    if kept is not None and kept.paths:
+        return list(kept.paths)
     return trainable_paths(model)

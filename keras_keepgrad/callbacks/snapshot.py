@@ -136,11 +136,12 @@ class GradientSnapshot(keras.callbacks.Callback):
         # Read at each write, not at `on_train_begin`: a model built by its
         # first batch has no variables before it, and a step may keep other
         # variables than the last.
-        paths = _reading.kept_paths(self.model)
+        kept = self.model.kept_step
+        paths = _reading.kept_paths(self.model, kept)
         if not paths:
             return
         self._check_paths(paths)
-        step = self._new.step_of(self.model, self._steps.step)
+        step = self._new.step_of(self.model, self._steps.step, kept)
         if step is None:
             return  # `keep_every`: nothing kept since the last file
         epoch = self._steps.epoch_of(step) + 1

@@ -209,7 +209,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         traced = self.update_freq != "epoch"
         return panels.ScalarWriter(self._train_writer, tags, traced=traced)
 
-    def _follow_kept_layers(self):
+    def _follow_kept_layers(self, kept=None):
         """Once the step is traced, its kept layers are the panels' layers.
 
         Before, at the first `fit`'s start, they are taken to be the
@@ -218,7 +218,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         layers than the last (an eager step whose optimizers vary) changes
         them again: the heatmap, whose rows are the layers, starts over.
         """
-        if self._norms.follow(self.model):
+        if self._norms.follow(self.model, kept):
             self._guarded(self._scalars.flush)
             self._scalars = self._norm_writer()
             if self._heatmap.columns:
@@ -356,10 +356,11 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
                 )
 
     def _record(self):
-        self._follow_kept_layers()
+        kept = self.model.kept_step
+        self._follow_kept_layers(kept)
         if not self._norms.paths:
             return
-        step = self._new.step_of(self.model, self._steps.step)
+        step = self._new.step_of(self.model, self._steps.step, kept)
         if step is None:
             return  # `keep_every`: nothing kept since the last record
         norms = self._norms.read(self.model, self._logs)
@@ -385,9 +386,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     def _new_histogram_step(self):
         """The step of the kept gradients, or None if already drawn."""
-        keeper = self.model._keeper
-        _, age = (None, 0) if keeper is None else keeper.last_write()
-        step = self._steps.step - age
+        kept = self.model.kept_step
+        step = self._steps.step - (0 if kept is None else kept.age)
         if step == self._histogram_step:
             return None
         self._histogram_step = step
