@@ -1,8 +1,22 @@
 """Argument checks shared by the public classes, with Keras-style messages."""
 
 import numbers
+import os
+import tempfile
 
-__all__ = ["check_bool", "check_keep_every"]
+import keras
+import numpy as np
+
+__all__ = [
+    "check_bool",
+    "check_frequency",
+    "check_keep_every",
+    "check_non_negative_int",
+    "check_positive_float",
+    "check_positive_int",
+    "check_writable_dir",
+    "require_kept_gradients",
+]
 
 
 def check_bool(name, value):
@@ -23,3 +37,98 @@ def check_keep_every(value):
             f"Received: keep_every={value!r}"
         )
     return int(value)
+
+
+def check_frequency(name, value, allow_epoch=True, allow_batch=True):
+    """Validates an `update_freq`-like argument; returns 'epoch' or an int."""
+    if allow_batch and value == "batch":
+        return 1
+    if allow_epoch and value == "epoch":
+        return "epoch"
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    words = []
+    if allow_epoch:
+        words.append("'epoch'")
+    if allow_batch:
+        words.append("'batch'")
+    words.append("a positive int")
+    expected = ", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else words[0]
+    raise ValueError(f"`{name}` must be {expected}. Received: {name}={value!r}")
+
+
+def check_positive_int(name, value):
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}")
+
+
+def check_non_negative_int(name, value):
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0:
+        return int(value)
+    raise ValueError(
+        f"`{name}` must be a non-negative int (0 disables it). Received: {name}={value!r}"
+    )
+
+
+def check_positive_float(name, value, above=0.0, or_none=True):
+    if value is None and or_none:
+        return None
+    if (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and np.isfinite(value)
+        and value > above
+    ):
+        return float(value)
+    none = " or None (off)" if or_none else ""
+    raise ValueError(
+        f"`{name}` must be a finite number above {above:g}{none}. Received: {name}={value!r}"
+    )
+
+
+def check_writable_dir(directory, name, value):
+    """Creates `directory` and checks that a file can be written there.
+
+    Raises:
+        ValueError: The directory cannot be created or written to.
+    """
+    if "://" in directory:
+        # Remote file systems (gs://, s3://): TensorFlow's own writer reports.
+        return
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise ValueError(
+            f"`{name}` must be a path this process can write to. Received: "
+            f"{name}={value!r}, but {directory!r} cannot be written ({reason}). "
+            "Pass a writable directory."
+        ) from error
+
+
+def require_kept_gradients(model, who):
+    """Raises unless `model` keeps gradients that its training function
+    keeps up to date (before training starts)."""
+    if not hasattr(model, "get_gradients_by_path"):
+        raise TypeError(
+            f"{who} needs a model that keeps gradients. Received: a model of "
+            f"type {type(model).__name__}. Build it with "
+            "`keras_keepgrad.KeepGradModel(...)` or wrap it with "
+            "`keras_keepgrad.keep_gradients(model)`."
+        )
+    if not model.keep_gradients:
+        raise ValueError(
+            f"{who} reads the kept gradients, but model {model.name!r} was "
+            "built with `keep_gradients=False`. Set "
+            "`model.keep_gradients = True` before `fit`."
+        )
+    # A training function kept from before a layer was frozen or unfrozen
+    # keeps the old set (TensorFlow) or refuses to run (JAX): say so now,
+    # not after its first step. A PyTorch step follows the change.
+    if keras.backend.backend() != "torch" and model.train_function is not None:
+        stale = model._stale_message()
+        if stale is not None:
+            raise RuntimeError(f"{who} cannot read the kept gradients. {stale}")

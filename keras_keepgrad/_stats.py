@@ -18,8 +18,12 @@ In the step the sums are float32 only, with no conditional (a conditional
 costs more than the sums on a small model): a sum that overflows float32
 reads inf like a gradient holding inf. Readers that must tell them apart
 look again where a value is not finite, which is rare: the callbacks sum
-the slots in float64 (`_grad_stats.LatestNorms`), `NonFiniteGradients`
-checks the entries.
+the slots in float64 (`GradientNorms`), `NonFiniteGradients` checks the
+entries.
+
+Layers are variable paths minus their last component (`layer_of`), for the
+metrics and the callbacks alike; `GradientNorms` turns the sums into the
+layer norms, the global norm and the non-finite layers.
 
 The vector lives in a plain `tf.Variable` held by a `_Holder` on the model,
 not tracked by Keras nor `tf.train.Checkpoint` (as the gradient slots are):
@@ -29,11 +33,22 @@ never in `model.weights`, checkpoints or saved files.
 import threading
 import weakref
 
+import numpy as np
 import tensorflow as tf
 
-from keras_keepgrad import _paths
+from keras_keepgrad._paths import layer_of
 
-__all__ = ["read", "record", "require", "shared_squares", "step_statistics", "sum_squares"]
+__all__ = [
+    "GradientNorms",
+    "StepNorms",
+    "count",
+    "layer_of",
+    "read",
+    "record",
+    "require",
+    "shared_squares",
+    "sum_squares",
+]
 
 _ATTRIBUTE = "_kg_step_statistics"
 
@@ -46,35 +61,6 @@ def _squares(grad, dtype):
             grad.values, grad.indices, num_segments=grad.dense_shape[0]
         )
     return 2.0 * tf.nn.l2_loss(tf.cast(grad, dtype))
-
-
-def step_statistics(grads_by_path, layer_order=None):
-    """One step's statistics, as small float64 tensors.
-
-    Each gradient's squares are summed in float32 (float64 gradients in
-    float64): one pass over the gradients. Only if a sum is not finite (an
-    overflow, a NaN or an inf) is everything summed again in float64, where
-    a sum is non-finite exactly when an entry is (up to float64 gradients
-    above ~1e154). Works eagerly, in a `tf.function` and under XLA.
-
-    Args:
-        grads_by_path: Dict `{variable path: gradient}` (dense tensors or
-            `tf.IndexedSlices`), in `model.trainable_variables` order.
-        layer_order: Tuple of layer names (`_paths.layer_of` of the
-            paths), in the order the per-layer sums are wanted. Defaults to
-            the order in which the layers first appear in `grads_by_path`.
-
-    Returns:
-        A dict of float64 tensors: `"squares"`, `[variables]`, each
-        gradient's sum of squares (non-finite where it holds a NaN or inf);
-        `"layer_squares"`, `[layers]`, their sums per layer.
-    """
-    layers, index = _layer_index(tuple(grads_by_path), layer_order)
-    squares = sum_squares(list(grads_by_path.values()))
-    layer_squares = tf.math.unsorted_segment_sum(
-        squares, tf.constant(index, tf.int32), num_segments=len(layers)
-    )
-    return {"squares": squares, "layer_squares": layer_squares}
 
 
 def sum_squares(grads, exact=True):
@@ -104,14 +90,92 @@ def sum_squares(grads, exact=True):
     )
 
 
-def _layer_index(paths, layer_order=None):
-    """`(layers, index)`: the layer names, and each path's layer position."""
-    positions = {}
-    for layer in layer_order or ():
-        positions.setdefault(layer, len(positions))
-    for path in paths:
-        positions.setdefault(_paths.layer_of(path), len(positions))
-    return tuple(positions), [positions[_paths.layer_of(p)] for p in paths]
+# Norms from the sums ---------------------------------------------------------
+
+
+@tf.function(autograph=False)
+def _sum_squares(grads):
+    """float64 `[len(grads)]`: each gradient's sum of squares, exactly.
+
+    `sum_squares` with its float64 pass, for reading the slots between
+    steps. One dispatch for all variables (per-variable eager
+    ops would cost more than the reductions), module-level so that every
+    callback on the same model reuses one trace; `GradientNorms` calls its
+    concrete function, which skips the argument matching of each
+    `tf.function` call.
+    """
+    return sum_squares(list(grads))
+
+
+class StepNorms:
+    """One step's L2 norms: per layer (forward order) and global.
+
+    Attributes:
+        layer_norms: float64 array, one norm per layer of
+            `GradientNorms.layers`; NaN or inf where a gradient is not finite.
+        global_norm: Float. The L2 norm over all kept gradients.
+        layer_nonfinite: bool array, True where a layer's gradients hold a
+            NaN or an infinity.
+    """
+
+    def __init__(self, layer_norms, global_norm, layer_nonfinite):
+        self.layer_norms = layer_norms
+        self.global_norm = global_norm
+        self.layer_nonfinite = layer_nonfinite
+
+    @property
+    def nonfinite(self):
+        """Bool. Whether any gradient of the step holds a NaN or an infinity."""
+        return bool(self.layer_nonfinite.any())
+
+
+class GradientNorms:
+    """Computes per-layer and global gradient norms for fixed variables.
+
+    Layers are the variable paths minus their last component (`layer_of`),
+    in the order they first appear in `paths` (the order of
+    `model.trainable_variables`, i.e. forward order).
+
+    Args:
+        paths: The variable paths, in `model.trainable_variables` order.
+    """
+
+    def __init__(self, paths):
+        self.paths = tuple(paths)
+        layers = {}
+        for path in self.paths:
+            layers.setdefault(layer_of(path), len(layers))
+        self.layers = tuple(layers)
+        self._layer_index = np.array([layers[layer_of(p)] for p in self.paths], dtype=np.int64)
+        self._concrete = None
+
+    def __call__(self, grads_by_path):
+        """Returns the `StepNorms` of `{path: dense gradient}`."""
+        tensors = [grads_by_path[p] for p in self.paths]
+        if tensors:
+            if self._concrete is None:
+                # Variables keep their shapes: one signature per instance.
+                self._concrete = _sum_squares.get_concrete_function(tensors)
+            squares = self._concrete(tensors).numpy()
+        else:
+            squares = np.zeros((0,), np.float64)
+        return self.from_squares(squares)
+
+    def from_squares(self, squares):
+        """Returns the `StepNorms` of each variable's sum of squares."""
+        squares = np.asarray(squares, np.float64)
+        n_layers = len(self.layers)
+        with np.errstate(invalid="ignore"):
+            layer_squares = np.bincount(self._layer_index, weights=squares, minlength=n_layers)
+        var_nonfinite = ~np.isfinite(squares)
+        layer_nonfinite = (
+            np.bincount(self._layer_index, weights=var_nonfinite, minlength=n_layers) > 0
+        )
+        return StepNorms(
+            np.sqrt(layer_squares),
+            float(np.sqrt(np.sum(squares))),
+            layer_nonfinite,
+        )
 
 
 # Sharing within a step -------------------------------------------------------

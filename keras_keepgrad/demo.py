@@ -21,7 +21,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_keepgrad as kg  # noqa: E402
-from keras_keepgrad._grad_stats import layer_of  # noqa: E402
+from keras_keepgrad._stats import layer_of  # noqa: E402
 
 VANISHING = 1e-5
 

@@ -27,7 +27,7 @@ import keras
 from keras_keepgrad import _capture
 from keras_keepgrad import _checks
 from keras_keepgrad import _compat
-from keras_keepgrad import _grad_stats
+from keras_keepgrad import _stats as _grad_stats
 
 if _compat.BACKEND in ("jax", "torch"):
     # The same arithmetic, in `keras.ops`, and the keeper's step view.

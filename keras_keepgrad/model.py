@@ -1,5 +1,6 @@
 """`KeepGradModel` and `keep_gradients()`: what users call."""
 
+import collections
 import contextlib
 import functools
 from typing import Any
@@ -14,6 +15,9 @@ from keras_keepgrad import backend
 from keras_keepgrad import metrics as metrics_lib
 
 __all__ = ["FunctionalKeepGradModel", "KeepGradModel"]
+
+# What `KeepGradModel.kept_step` returns.
+KeptStep = collections.namedtuple("KeptStep", ["paths", "write", "age"])
 
 
 def _keeping(train_step):
@@ -485,6 +489,30 @@ class KeepGradModel(backend.Trainer, keras.Model):
     def get_gradients_by_path(self):
         """The last training batch's gradients as `{variable path: tensor}`."""
         return self._checked_keeper().read()
+
+    @property
+    def kept_step(self):
+        """Which training step the kept gradients come from, or None.
+
+        Never raises, unlike `gradients`: a callback reads it between steps
+        to tell whether there is anything new to read. None before the
+        first step of the training function (or with `keep_gradients=False`),
+        else a named tuple `KeptStep(paths, write, age)`:
+
+        - `paths`: Tuple of the variable paths whose gradients that step
+          kept, in `model.trainable_variables` order (the keys of
+          `get_gradients_by_path()`); `()` when the step passed no gradient
+          to any optimizer.
+        - `write`: Equal values, the same kept gradients. None with
+          `keep_every=1`, where every training step writes them.
+        - `age`: Int. Training steps run since the kept one: 0 for the
+          last step's gradients, at most `keep_every - 1`.
+        """
+        keeper = self._keeper
+        if not self._keep_gradients or keeper is None or not keeper.built:
+            return None
+        write, age = keeper.last_write()
+        return KeptStep(keeper.paths, write, age)
 
     def get_gradients_of(self, layer: keras.layers.Layer) -> dict:
         """The last training batch's gradients of one layer or sub-model.

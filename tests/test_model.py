@@ -1053,6 +1053,46 @@ def test_keep_every_writes_steps_1_3_5_and_holds_between(mode):
     assert model.get_config()["keep_every"] == 2
 
 
+@pytest.mark.parametrize("keep_every", [1, 2])
+def test_kept_step_says_which_step_the_slots_hold(mode, keep_every):
+    model = one_weight(keep_every=keep_every)
+    assert model.kept_step is None  # before the first step
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(model.kept_step)
+    )
+    fit_batches(model, 4, callbacks=[record])
+    assert [kept.paths for kept in seen] == [("dense_0/kernel",)] * 4
+    if keep_every == 1:
+        assert [(kept.write, kept.age) for kept in seen] == [(None, 0)] * 4
+    else:
+        # Steps 1 and 3 write the slots: steps 2 and 4 hold the one before.
+        assert [kept.age for kept in seen] == [0, 1, 0, 1]
+        writes = [kept.write for kept in seen]
+        assert writes[0] == writes[1] != writes[2] == writes[3]
+    model.keep_gradients = False
+    assert model.kept_step is None
+
+
+class UpdatesByHand(kg.KeepGradModel):
+    """Halves w by hand, without an optimizer: a step that keeps nothing."""
+
+    def train_step(self, data):
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        for variable in self.trainable_variables:
+            variable.assign(0.5 * variable)
+        return self.compute_metrics(x, y, self(x))
+
+
+def test_kept_step_of_a_step_that_keeps_nothing_has_no_paths():
+    model = one_weight(cls=UpdatesByHand)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
+    assert model.kept_step == ((), None, 0)
+    assert float(model.get_weights()[0][0, 0]) == 1.5  # halved by hand
+
+
 def test_keep_every_takes_a_numpy_int_and_stores_an_int():
     model = one_weight(keep_every=np.int64(2))
     assert model.keep_every == 2 and type(model.keep_every) is int

@@ -1,6 +1,6 @@
 """Tests for keras_keepgrad._stats: one step's statistics, computed once.
 
-The hand model of test_callbacks: one bias-free Dense(1), kernel 3, mse,
+The hand model of tests/callbacks: one bias-free Dense(1), kernel 3, mse,
 SGD(0.1), x = [[1], [2]], y = 0: the gradient is 5w = 15, 7.5, 3.75, so
 the recorded sums of squares are 225, 56.25, 14.0625.
 """
@@ -42,7 +42,7 @@ class Squares(keras.callbacks.Callback):
         self.seen.append((count, paths, squares.tolist()))
 
 
-def test_step_statistics_sums_squares_per_variable_and_layer():
+def test_gradient_norms_sum_squares_per_variable_and_layer():
     grads = {
         "a/kernel": tf.constant([[3.0, 4.0]]),  # 9 + 16
         "a/bias": tf.constant([1.0]),
@@ -54,13 +54,26 @@ def test_step_statistics_sums_squares_per_variable_and_layer():
             tf.constant([3, 1]),
         ),
     }
-    stats = _stats.step_statistics(grads)
-    assert stats["squares"].dtype == tf.float64
-    assert stats["squares"].numpy().tolist() == [25.0, 1.0, 4.0, 25.0]
-    assert stats["layer_squares"].numpy().tolist() == [26.0, 4.0, 25.0]
-    # A given layer order comes first.
-    stats = _stats.step_statistics(grads, layer_order=("c", "b", "a"))
-    assert stats["layer_squares"].numpy().tolist() == [25.0, 4.0, 26.0]
+    squares = _stats.sum_squares(list(grads.values()))
+    assert squares.dtype == tf.float64
+    assert squares.numpy().tolist() == [25.0, 1.0, 4.0, 25.0]
+    norms = _stats.GradientNorms(grads)(grads)
+    assert _stats.GradientNorms(grads).layers == ("a", "b", "c")
+    assert np.square(norms.layer_norms).tolist() == pytest.approx([26.0, 4.0, 25.0])
+    assert norms.global_norm == pytest.approx(np.sqrt(55.0))
+    assert not norms.nonfinite
+    # Layers in the order they first appear in the paths.
+    paths = ["c/embeddings", "b/kernel", "a/kernel", "a/bias"]
+    norms = _stats.GradientNorms(paths).from_squares([25.0, 4.0, 25.0, 1.0])
+    assert np.square(norms.layer_norms).tolist() == pytest.approx([25.0, 4.0, 26.0])
+    norms = _stats.GradientNorms(paths).from_squares([25.0, np.inf, 25.0, np.nan])
+    assert norms.layer_nonfinite.tolist() == [False, True, True] and norms.nonfinite
+
+
+def test_layer_of_drops_the_last_path_component():
+    assert _stats.layer_of("dense_0/kernel") == "dense_0"
+    assert _stats.layer_of("encoder/dense/bias") == "encoder/dense"
+    assert _stats.layer_of("scale") == "scale"
 
 
 @pytest.mark.parametrize("jit", [False, True])

@@ -10,9 +10,9 @@ import keras
 import numpy as np
 
 from keras_keepgrad import _checks
-from keras_keepgrad import _grad_stats
 from keras_keepgrad import _stats
-from keras_keepgrad import _tb_panels
+from keras_keepgrad.callbacks import _reading
+from keras_keepgrad.callbacks import panels
 
 __all__ = ["GradientMonitor"]
 
@@ -111,24 +111,24 @@ class GradientMonitor(keras.callbacks.Callback):
             )
         self.action = action
         self.check_nonfinite = _checks.check_bool("check_nonfinite", check_nonfinite)
-        self.min_loss_scale = _grad_stats.check_positive_float("min_loss_scale", min_loss_scale)
-        self.vanishing_threshold = _grad_stats.check_positive_float(
+        self.min_loss_scale = _checks.check_positive_float("min_loss_scale", min_loss_scale)
+        self.vanishing_threshold = _checks.check_positive_float(
             "vanishing_threshold", vanishing_threshold
         )
-        self.vanishing_steps = _grad_stats.check_positive_int("vanishing_steps", vanishing_steps)
-        self.exploding_threshold = _grad_stats.check_positive_float(
+        self.vanishing_steps = _checks.check_positive_int("vanishing_steps", vanishing_steps)
+        self.exploding_threshold = _checks.check_positive_float(
             "exploding_threshold", exploding_threshold
         )
-        self.exploding_factor = _grad_stats.check_positive_float(
+        self.exploding_factor = _checks.check_positive_float(
             "exploding_factor", exploding_factor, above=1.0
         )
-        self.median_window = _grad_stats.check_positive_int("median_window", median_window)
-        self.check_freq = _grad_stats.check_frequency(
+        self.median_window = _checks.check_positive_int("median_window", median_window)
+        self.check_freq = _checks.check_frequency(
             "check_freq", check_freq, allow_epoch=False, allow_batch=False
         )
         self.events = []
-        self._steps = _grad_stats.StepCounter()
-        self._new = _grad_stats.NewGradients(self)
+        self._steps = _reading.StepCounter()
+        self._new = _reading.NewGradients(self)
         self._step = 0
         self._logs = None
 
@@ -138,10 +138,10 @@ class GradientMonitor(keras.callbacks.Callback):
         _stats.require(model)
 
     def on_train_begin(self, logs=None):
-        _grad_stats.require_kept_gradients(self.model, "GradientMonitor")
+        _checks.require_kept_gradients(self.model, "GradientMonitor")
         self._steps.begin_train()
         self._new.begin(self.model)
-        self._norms = _grad_stats.LatestNorms(self.model)
+        self._norms = _reading.LatestNorms(self.model)
         self._count_layers()
         self._recent = deque(maxlen=self.median_window)
         self._nonfinite_active = False
@@ -159,13 +159,14 @@ class GradientMonitor(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self._logs = logs if isinstance(logs, dict) else None
         previous = self._steps.end_batch(batch, self.params)
-        if self._norms.follow(self.model):
+        kept = self.model.kept_step
+        if self._norms.follow(self.model, kept):
             self._count_layers()  # the step kept fewer layers than it trains
-        if not self._norms.paths or not _grad_stats.crossed(
+        if not self._norms.paths or not _reading.crossed(
             previous, self._steps.step, self.check_freq
         ):
             return
-        self._step = self._new.step_of(self.model, self._steps.step)
+        self._step = self._new.step_of(self.model, self._steps.step, kept)
         if self._step is None:
             return  # `keep_every`: nothing kept since the last check
         norms = self._norms.read(self.model, self._logs)
@@ -195,7 +196,7 @@ class GradientMonitor(keras.callbacks.Callback):
             isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
             and self.min_loss_scale is not None
         ):
-            scale = _grad_stats.loss_scale_of(optimizer)
+            scale = _reading.loss_scale_of(optimizer)
             if scale >= self.min_loss_scale:
                 return  # The optimizer skipped the step and lowered its scale.
             note = (
@@ -273,7 +274,7 @@ class GradientMonitor(keras.callbacks.Callback):
         )
         if self.action == "raise":
             # `fit` ends without `on_train_end`: write the buffered panels.
-            _tb_panels.flush_all()
+            panels.flush_all()
             raise RuntimeError(f"GradientMonitor: {message}")
         if self.action == "stop":
             warnings.warn(f"GradientMonitor: {message} Stopping training.", stacklevel=3)

@@ -13,9 +13,10 @@ import numpy as np
 import tensorflow as tf
 
 from keras_keepgrad import _checks
-from keras_keepgrad import _grad_stats
 from keras_keepgrad import _stats
-from keras_keepgrad import _tb_panels
+from keras_keepgrad.callbacks import _reading
+from keras_keepgrad.callbacks import heatmap
+from keras_keepgrad.callbacks import panels
 
 __all__ = ["GradientTensorBoard"]
 
@@ -128,10 +129,10 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         gradient_histogram_freq: int | None = None,
         **kwargs: Any,
     ) -> None:
-        update_freq = _grad_stats.check_frequency("update_freq", update_freq)
-        histogram_freq = _grad_stats.check_non_negative_int("histogram_freq", histogram_freq)
+        update_freq = _checks.check_frequency("update_freq", update_freq)
+        histogram_freq = _checks.check_non_negative_int("histogram_freq", histogram_freq)
         if gradient_histogram_freq is not None:
-            gradient_histogram_freq = _grad_stats.check_frequency(
+            gradient_histogram_freq = _checks.check_frequency(
                 "gradient_histogram_freq", gradient_histogram_freq, allow_epoch=False
             )
         super().__init__(
@@ -144,8 +145,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self.gradient_histogram_freq = gradient_histogram_freq
         self._batch_logs = None
         self._logs = None  # this batch's, for `_stats.read`
-        self._steps = _grad_stats.StepCounter()
-        self._new = _grad_stats.NewGradients(self)
+        self._steps = _reading.StepCounter()
+        self._new = _reading.NewGradients(self)
         self._norms = None
         self._heatmap = None
         self._layout_written = False
@@ -156,20 +157,20 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         # written. (`keep_gradients=False` is refused at `on_train_begin`, so
         # that `evaluate` still takes the callback.)
         if not hasattr(model, "get_gradients_by_path"):
-            _grad_stats.require_kept_gradients(model, "GradientTensorBoard")
+            _checks.require_kept_gradients(model, "GradientTensorBoard")
         # Fail at `fit`'s start with a clear message, not from the writer.
-        _grad_stats.check_writable_dir(os.path.join(self.log_dir, "train"), "log_dir", self.log_dir)
+        _checks.check_writable_dir(os.path.join(self.log_dir, "train"), "log_dir", self.log_dir)
         super().set_model(model)
         # Before `fit` makes the training function: it records the norms.
         _stats.require(model)
 
     def on_train_begin(self, logs=None):
-        _grad_stats.require_kept_gradients(self.model, "GradientTensorBoard")
+        _checks.require_kept_gradients(self.model, "GradientTensorBoard")
         super().on_train_begin(logs)
         self._steps.begin_train()
         self._new.begin(self.model)
-        self._norms = _grad_stats.LatestNorms(self.model)
-        self._heatmap = _tb_panels.Heatmap()
+        self._norms = _reading.LatestNorms(self.model)
+        self._heatmap = heatmap.Heatmap()
         self._train_began = time.monotonic()
         self._heatmap_seconds = 0.0  # spent drawing it in this `fit`
         self._heatmap_last = 0.2  # seconds the last figure took (a guess above it)
@@ -188,11 +189,11 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         # under `keep_every` may be older): a writer of their own.
         optimizer_tags = []
         if self._loss_scaled:
-            optimizer_tags.append(_tb_panels.LOSS_SCALE_TAG)
+            optimizer_tags.append(panels.LOSS_SCALE_TAG)
         if self._count_skipped:
-            optimizer_tags.append(_tb_panels.SKIPPED_STEPS_TAG)
+            optimizer_tags.append(panels.SKIPPED_STEPS_TAG)
         self._optimizer_scalars = (
-            _tb_panels.ScalarWriter(self._train_writer, optimizer_tags, traced=traced)
+            panels.ScalarWriter(self._train_writer, optimizer_tags, traced=traced)
             if optimizer_tags
             else None
         )
@@ -202,13 +203,13 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
     def _norm_writer(self):
         """The writer of the norms of the layers `self._norms` reads."""
         layers = self._norms.layers
-        tags = [_tb_panels.layer_norm_tag(layer) for layer in layers]
-        tags += [_tb_panels.GLOBAL_NORM_TAG, _tb_panels.NONFINITE_TAG]
-        tags += _tb_panels.log10_norm_tags(layers) + [_tb_panels.LOG10_GLOBAL_TAG]
+        tags = [panels.layer_norm_tag(layer) for layer in layers]
+        tags += [panels.GLOBAL_NORM_TAG, panels.NONFINITE_TAG]
+        tags += panels.log10_norm_tags(layers) + [panels.LOG10_GLOBAL_TAG]
         traced = self.update_freq != "epoch"
-        return _tb_panels.ScalarWriter(self._train_writer, tags, traced=traced)
+        return panels.ScalarWriter(self._train_writer, tags, traced=traced)
 
-    def _follow_kept_layers(self):
+    def _follow_kept_layers(self, kept=None):
         """Once the step is traced, its kept layers are the panels' layers.
 
         Before, at the first `fit`'s start, they are taken to be the
@@ -217,11 +218,11 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         layers than the last (an eager step whose optimizers vary) changes
         them again: the heatmap, whose rows are the layers, starts over.
         """
-        if self._norms.follow(self.model):
+        if self._norms.follow(self.model, kept):
             self._guarded(self._scalars.flush)
             self._scalars = self._norm_writer()
             if self._heatmap.columns:
-                self._heatmap = _tb_panels.Heatmap()
+                self._heatmap = heatmap.Heatmap()
         if not self._layout_written:
             self._layout_written = True
             self._guarded(self._write_layout)
@@ -257,11 +258,11 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         if isinstance(logs, dict) and self.update_freq != "epoch":
             self._guarded(self._write_batch_logs, logs)
         previous = self._steps.end_batch(batch, self.params)
-        if self.update_freq != "epoch" and _grad_stats.crossed(
+        if self.update_freq != "epoch" and _reading.crossed(
             previous, self._steps.step, self.update_freq
         ):
             self._guarded(self._record)
-        if self.gradient_histogram_freq is not None and _grad_stats.crossed(
+        if self.gradient_histogram_freq is not None and _reading.crossed(
             previous, self._steps.step, self.gradient_histogram_freq
         ):
             step = self._new_histogram_step()
@@ -279,7 +280,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             if self._batch_logs is not None:
                 self._batch_logs.flush()
             self._batch_names = names
-            self._batch_logs = _tb_panels.ScalarWriter(
+            self._batch_logs = panels.ScalarWriter(
                 self._train_writer, [f"batch_{n}" for n in names], traced=True
             )
         values = [float(np.asarray(logs[n])) for n in names]
@@ -345,7 +346,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             from keras_keepgrad import _dynamics
 
             charts = _dynamics.tensorboard_charts(self.model)
-            if not _tb_panels.write_layout(
+            if not panels.write_layout(
                 self._norms.layers, self._loss_scaled, self._count_skipped, charts
             ):
                 warnings.warn(
@@ -355,10 +356,11 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
                 )
 
     def _record(self):
-        self._follow_kept_layers()
+        kept = self.model.kept_step
+        self._follow_kept_layers(kept)
         if not self._norms.paths:
             return
-        step = self._new.step_of(self.model, self._steps.step)
+        step = self._new.step_of(self.model, self._steps.step, kept)
         if step is None:
             return  # `keep_every`: nothing kept since the last record
         norms = self._norms.read(self.model, self._logs)
@@ -376,7 +378,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             optimizer = self.model.optimizer
             values = []
             if self._loss_scaled:
-                values.append(_grad_stats.loss_scale_of(optimizer))
+                values.append(_reading.loss_scale_of(optimizer))
             if self._count_skipped:
                 applied = int(optimizer.iterations.numpy()) - self._iterations_at_begin
                 values.append(now - applied)
@@ -384,9 +386,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     def _new_histogram_step(self):
         """The step of the kept gradients, or None if already drawn."""
-        keeper = self.model._keeper
-        _, age = (None, 0) if keeper is None else keeper.last_write()
-        step = self._steps.step - age
+        kept = self.model.kept_step
+        step = self._steps.step - (0 if kept is None else kept.age)
         if step == self._histogram_step:
             return None
         self._histogram_step = step
@@ -395,36 +396,36 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
     def _write_histograms(self, step):
         if self._new.nothing_kept(self.model):
             return
-        grads = _grad_stats.readable_gradients(self.model)
+        grads = _reading.readable_gradients(self.model)
         with self._train_writer.as_default(), tf.summary.record_if(True):
             for path, grad in grads.items():
                 values = tf.reshape(grad, [-1])
                 finite = tf.math.is_finite(values)
                 all_finite = bool(tf.reduce_all(finite))
                 tf.summary.histogram(
-                    _tb_panels.histogram_tag(path),
+                    panels.histogram_tag(path),
                     values if all_finite else tf.boolean_mask(values, finite),
                     step=step,
-                    description=_tb_panels.HISTOGRAM_DESCRIPTION,
+                    description=panels.HISTOGRAM_DESCRIPTION,
                 )
                 if not all_finite:
                     tf.summary.histogram(
-                        _tb_panels.nonfinite_histogram_tag(path),
-                        _tb_panels.nonfinite_kinds(values),
+                        panels.nonfinite_histogram_tag(path),
+                        panels.nonfinite_kinds(values),
                         step=step,
-                        description=_tb_panels.NONFINITE_HISTOGRAM_DESCRIPTION,
+                        description=panels.NONFINITE_HISTOGRAM_DESCRIPTION,
                     )
 
     def _write_heatmap(self, epoch):
         start = time.monotonic()
         self._heatmap_pending = None
-        image = _tb_panels.render_heatmap(self._heatmap, self._norms.layers)
+        image = heatmap.render_heatmap(self._heatmap, self._norms.layers)
         self._heatmap_last = time.monotonic() - start
         self._heatmap_seconds += self._heatmap_last
         with self._train_writer.as_default(), tf.summary.record_if(True):
             tf.summary.image(
-                _tb_panels.HEATMAP_TAG,
+                panels.HEATMAP_TAG,
                 image,
                 step=epoch,
-                description=_tb_panels.HEATMAP_DESCRIPTION,
+                description=panels.HEATMAP_DESCRIPTION,
             )

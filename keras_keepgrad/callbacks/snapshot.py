@@ -13,7 +13,8 @@ import warnings
 import keras
 import numpy as np
 
-from keras_keepgrad import _grad_stats
+from keras_keepgrad import _checks
+from keras_keepgrad.callbacks import _reading
 
 __all__ = ["GradientSnapshot"]
 
@@ -79,7 +80,7 @@ class GradientSnapshot(keras.callbacks.Callback):
                 f"path={path!r} of type {type(path).__name__}"
             )
         self.path = os.fspath(path)
-        self.every = _grad_stats.check_frequency("every", every, allow_batch=False)
+        self.every = _checks.check_frequency("every", every, allow_batch=False)
         if not self.path.endswith(".npz"):
             raise ValueError(
                 "`path` must end in '.npz' (e.g. 'grads/{step:06d}.npz'). "
@@ -95,16 +96,16 @@ class GradientSnapshot(keras.callbacks.Callback):
                 f"({type(error).__name__}: {error})"
             ) from error
         self.files = []
-        self._steps = _grad_stats.StepCounter()
-        self._new = _grad_stats.NewGradients(self)
+        self._steps = _reading.StepCounter()
+        self._new = _reading.NewGradients(self)
 
     def on_train_begin(self, logs=None):
-        _grad_stats.require_kept_gradients(self.model, "GradientSnapshot")
+        _checks.require_kept_gradients(self.model, "GradientSnapshot")
         if self.model.built:
             # Fail before the first step where the variables exist already.
-            self._check_paths(_grad_stats.trainable_paths(self.model))
+            self._check_paths(_reading.trainable_paths(self.model))
         directory = os.path.dirname(os.path.abspath(self.path.format(step=0, epoch=1)))
-        _grad_stats.check_writable_dir(directory, "path", self.path)
+        _checks.check_writable_dir(directory, "path", self.path)
         _remove_stale_temporaries(self.path)
         self._steps.begin_train()
         self._new.begin(self.model)
@@ -124,7 +125,7 @@ class GradientSnapshot(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         previous = self._steps.end_batch(batch, self.params)
-        if self.every != "epoch" and _grad_stats.crossed(previous, self._steps.step, self.every):
+        if self.every != "epoch" and _reading.crossed(previous, self._steps.step, self.every):
             self._write()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -135,21 +136,22 @@ class GradientSnapshot(keras.callbacks.Callback):
         # Read at each write, not at `on_train_begin`: a model built by its
         # first batch has no variables before it, and a step may keep other
         # variables than the last.
-        paths = _grad_stats.kept_paths(self.model)
+        kept = self.model.kept_step
+        paths = _reading.kept_paths(self.model, kept)
         if not paths:
             return
         self._check_paths(paths)
-        step = self._new.step_of(self.model, self._steps.step)
+        step = self._new.step_of(self.model, self._steps.step, kept)
         if step is None:
             return  # `keep_every`: nothing kept since the last file
         epoch = self._steps.epoch_of(step) + 1
         filename = self.path.format(step=step, epoch=epoch)
         arrays = {}
-        for path, grad in _grad_stats.readable_gradients(self.model).items():
+        for path, grad in _reading.readable_gradients(self.model).items():
             arrays[path] = keras.ops.convert_to_numpy(grad)
         arrays["step"] = np.int64(step)
         arrays["epoch"] = np.int64(epoch)
-        arrays["loss_scale"] = np.float64(_grad_stats.loss_scale_of(self.model.optimizer))
+        arrays["loss_scale"] = np.float64(_reading.loss_scale_of(self.model.optimizer))
         try:
             _atomic_savez(filename, arrays)
         except OSError as error:

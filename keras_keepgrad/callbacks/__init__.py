@@ -36,8 +36,8 @@ component (`"dense_0/kernel"` and `"dense_0/bias"` make layer `"dense_0"`;
 functional models.
 """
 
-from keras_keepgrad._monitor import GradientMonitor
-from keras_keepgrad._snapshot import GradientSnapshot
-from keras_keepgrad._tensorboard import GradientTensorBoard
+from keras_keepgrad.callbacks.monitor import GradientMonitor
+from keras_keepgrad.callbacks.snapshot import GradientSnapshot
+from keras_keepgrad.callbacks.tensorboard import GradientTensorBoard
 
 __all__ = ["GradientMonitor", "GradientSnapshot", "GradientTensorBoard"]

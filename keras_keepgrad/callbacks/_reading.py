@@ -1,0 +1,265 @@
+"""What the gradient callbacks share to read the kept values between steps.
+
+Callbacks read the kept gradients between steps through the model's
+public API only: `model.kept_step` says which step the slots hold and what
+it kept, `model.get_gradients_by_path()` gives them as a flat
+`{variable path: dense tensor}` view; everything here returns NumPy
+values or ints.
+"""
+
+import bisect
+import warnings
+
+import keras
+import numpy as np
+
+from keras_keepgrad import _capture
+from keras_keepgrad import _stats
+
+__all__ = [
+    "LatestNorms",
+    "NewGradients",
+    "StepCounter",
+    "crossed",
+    "kept_paths",
+    "loss_scale_of",
+    "readable_gradients",
+    "trainable_paths",
+]
+
+
+class LatestNorms:
+    """A callback's view of each new step's norms.
+
+    Reads the statistics the training step recorded (`_stats.read`: one
+    small vector) when they describe a step this reader has not seen, else
+    the kept gradients themselves (a step that does not record, e.g. under
+    a `tf.distribute` strategy whose slots hold per-replica parts).
+
+    Args:
+        model: The `KeepGradModel`, at `on_train_begin`.
+    """
+
+    def __init__(self, model):
+        self.norms = _stats.GradientNorms(kept_paths(model))
+        self._seen = _stats.count(model)
+        self._followed = None  # the `kept_step.paths` last followed
+
+    def follow(self, model, kept=None):
+        """Takes the paths the step kept; returns whether they changed.
+
+        Before the training function is traced (at the first `fit`'s
+        `on_train_begin`) they are not known, and taken to be the trainable
+        paths; a step may keep fewer (a variable no optimizer receives).
+        Called every batch: the kept `paths`, set anew by each traced step,
+        are compared by identity before the paths are listed.
+
+        Args:
+            model: The model.
+            kept: Its `kept_step`, if the caller read it already.
+        """
+        if kept is None:
+            kept = model.kept_step
+        followed = None if kept is None else kept.paths
+        if followed and followed is self._followed:
+            return False
+        self._followed = followed
+        paths = tuple(kept_paths(model, kept))
+        if paths == self.norms.paths:
+            return False
+        self.norms = _stats.GradientNorms(paths)
+        return True
+
+    @property
+    def paths(self):
+        return self.norms.paths
+
+    @property
+    def layers(self):
+        return self.norms.layers
+
+    def read(self, model, logs=None):
+        """The `StepNorms` of the step the slots hold.
+
+        Args:
+            model: The model.
+            logs: The `on_train_batch_end` logs, so that the callbacks of
+                one batch share one read (`_stats.read`).
+        """
+        found = _stats.read(model, logs)
+        if found is not None:
+            count, paths, squares = found
+            if count > self._seen and paths == self.norms.paths:
+                self._seen = count
+                if np.isfinite(squares).all():
+                    return self.norms.from_squares(squares)
+                # Overflow or NaN/inf: the slots tell them apart (float64).
+        return self.norms(readable_gradients(model))
+
+
+class StepCounter:
+    """Counts the training batches run since `on_train_begin`.
+
+    Keras calls `on_train_batch_end(batch)` once per execution with the
+    index of its last batch in the epoch; with `steps_per_execution=N` the
+    count thus advances by N. The last, possibly partial, execution of an
+    epoch is clamped to the epoch's number of batches when Keras knows it.
+
+    It also remembers where each epoch of this `fit` began, so that a step
+    read later (under `keep_every`, the kept gradients can come from an
+    earlier epoch) is labelled with the epoch it ran in: `epoch_of`.
+    """
+
+    def __init__(self):
+        self.begin_train()
+
+    def begin_train(self):
+        self.step = 0
+        # Steps run before each epoch began, and its (0-based) epoch number
+        # as Keras passes it (so `initial_epoch` counts).
+        self._starts = []
+        self._epochs = []
+
+    def begin_epoch(self, epoch):
+        """At `on_epoch_begin(epoch)`: the epoch's steps start after now."""
+        self._starts.append(self.step)
+        self._epochs.append(epoch)
+
+    def epoch_of(self, step):
+        """The 0-based epoch in which training step `step` (1-based) ran.
+
+        Steps before the first epoch began (none in `fit`) count as the
+        first epoch.
+        """
+        if not self._epochs:
+            return 0
+        index = bisect.bisect_left(self._starts, step) - 1
+        return self._epochs[max(index, 0)]
+
+    def end_batch(self, batch, params):
+        """Advances to `batch` (0-based, in the epoch); returns the old step."""
+        in_epoch = batch + 1
+        steps = (params or {}).get("steps")
+        if steps:
+            in_epoch = min(in_epoch, steps)
+        epoch_start = self._starts[-1] if self._starts else 0
+        previous, self.step = self.step, epoch_start + in_epoch
+        return previous
+
+
+class NewGradients:
+    """Tells a callback whether the slots hold gradients it has not read.
+
+    With `keep_every=N` the slots are written on every N-th step only; in
+    between they hold an earlier step's gradients. A callback reads them
+    only when they are new, and labels them with the step they come from.
+    """
+
+    def __init__(self, owner):
+        self._owner = owner
+        self._seen = None
+        self._warned = False
+
+    def begin(self, model):
+        """At `on_train_begin`: what the slots hold now counts as read.
+
+        The slots may still hold a write of an earlier `fit`; a step of
+        this `fit` cannot be its label.
+        """
+        kept = model.kept_step
+        self._seen = None if kept is None else kept.write
+
+    def nothing_kept(self, model, kept=None):
+        """Whether the last step kept nothing; warns the first time it did.
+
+        Args:
+            model: The model.
+            kept: Its `kept_step`, if the caller read it already.
+        """
+        if kept is None:
+            kept = model.kept_step
+        # A step of a model without trainable variables keeps nothing either,
+        # and has nothing to say.
+        if kept is None or kept.paths != () or not model.trainable_variables:
+            return False
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{type(self._owner).__name__}: nothing to read. "
+                + _capture.nothing_kept_message(model),
+                stacklevel=3,
+            )
+        return True
+
+    def step_of(self, model, step, kept=None):
+        """The step the kept gradients come from, or None if already read.
+
+        Args:
+            model: The `KeepGradModel` being trained.
+            step: The callback's current step (`StepCounter.step`).
+            kept: Its `kept_step`, if the caller read it already.
+        """
+        if kept is None:
+            kept = model.kept_step
+        if self.nothing_kept(model, kept):
+            return None
+        write, age = (None, 0) if kept is None else (kept.write, kept.age)
+        if write is not None:
+            if write == self._seen:
+                return None
+            self._seen = write
+        return step - age
+
+
+def crossed(previous, step, freq):
+    """Whether the step count passed a multiple of `freq` since `previous`."""
+    return step // freq > previous // freq
+
+
+def loss_scale_of(optimizer):
+    """The optimizer's loss scale, as a float.
+
+    The dynamic scale of a `LossScaleOptimizer`, read now (after the step,
+    which may have halved or doubled it), else the optimizer's static
+    `loss_scale_factor`, else 1.0.
+    """
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if optimizer.built:
+            return float(optimizer.dynamic_scale.numpy())
+        return float(optimizer.initial_scale)
+    factor = getattr(optimizer, "loss_scale_factor", None)
+    return 1.0 if factor is None else float(factor)
+
+
+def readable_gradients(model):
+    """`model.get_gradients_by_path()`, bfloat16 gradients cast to float32.
+
+    The callbacks read the kept gradients through TensorFlow and NumPy:
+    PyTorch's bfloat16 tensors convert to neither (NumPy has no bfloat16),
+    and a bfloat16 file or histogram is of little use. The cast is exact.
+    """
+    grads = model.get_gradients_by_path()
+    return {
+        path: keras.ops.cast(grad, "float32")
+        if keras.backend.standardize_dtype(grad.dtype) == "bfloat16"
+        else grad
+        for path, grad in grads.items()
+    }
+
+
+def trainable_paths(model):
+    return [v.path for v in model.trainable_variables]
+
+
+def kept_paths(model, kept=None):
+    """The paths the model's last traced step kept, else its trainable paths.
+
+    Args:
+        model: The model.
+        kept: Its `kept_step`, if the caller read it already.
+    """
+    if kept is None:
+        kept = model.kept_step
+    if kept is not None and kept.paths:
+        return list(kept.paths)
+    return trainable_paths(model)

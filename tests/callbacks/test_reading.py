@@ -1,0 +1,184 @@
+"""Tests for keras_keepgrad.callbacks._reading: which kept step callbacks read.
+
+The hand model: one bias-free Dense(1) with a Constant(3.0) kernel, mse,
+SGD(0.1), x = [[1], [2]], y = 0. loss = mean((w*x)^2), so
+dL/dw = w * (1 + 4) = 5w: 15 at w = 3, then w' = 3 - 0.1*15 = 1.5 -> 7.5,
+then 0.75 -> 3.75.
+"""
+
+import os
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from callback_helpers import hand_data
+from callback_helpers import hand_model
+from callback_helpers import read_run
+from callback_helpers import scalars
+from conftest import MODES
+from conftest import LateBuilt
+from conftest import Recorder
+
+import keras_keepgrad as kg
+from keras_keepgrad import callbacks
+
+
+def test_keep_every_callbacks_read_each_kept_step_once_at_its_step(tmp_path):
+    # keep_every=2 writes the slots on steps 1, 3 and 5 only: 5w = 15, 3.75
+    # and 0.9375 (w halves every step). Between writes the slots hold the
+    # last written step; callbacks read each written step once, at its step.
+    model = hand_model(keep_every=2, metrics=[kg.metrics.GradientNorm(reduction="mean")])
+    board = callbacks.GradientTensorBoard(tmp_path / "logs", update_freq=1)
+    snapshot = callbacks.GradientSnapshot(tmp_path / "snap" / "{step}.npz", every=1)
+    # 15 and 3.75 are below 20; vanishing for 2 checks in a row is reported
+    # at step 3, not at step 2 (a second look at step 1's gradients).
+    monitor = callbacks.GradientMonitor(vanishing_threshold=20.0, vanishing_steps=2)
+    recorder = Recorder()
+    x, y = hand_data(5)
+    # (`pytest.warns` would re-raise Keras's TensorBoard deprecation warnings.)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(
+            x,
+            y,
+            batch_size=2,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[board, snapshot, monitor, recorder],
+        )
+    assert [str(w.message)[:46] for w in caught if w.category is UserWarning] == [
+        "GradientMonitor: Step 3: vanishing gradients: "
+    ]
+    assert [float(g["dense_0/kernel"][0, 0]) for g in recorder.grads] == [
+        15.0,
+        15.0,
+        3.75,
+        3.75,
+        0.9375,
+    ]
+    expected = [(1, 15.0), (3, 3.75), (5, 0.9375)]
+    acc = read_run(str(tmp_path / "logs" / "train"))
+    assert scalars(acc, "gradients/layer_norm/dense_0") == expected
+    assert [os.path.basename(f) for f in snapshot.files] == ["1.npz", "3.npz", "5.npz"]
+    for filename, (step, value) in zip(snapshot.files, expected):
+        with np.load(filename) as data:
+            assert int(data["step"]) == step
+            assert data["dense_0/kernel"].tolist() == [[value]]
+    assert [(e["kind"], e["step"]) for e in monitor.events] == [("vanishing", 3)]
+    # Metrics see every step's gradients, written or not: the epoch's mean is
+    # (15 + 7.5 + 3.75 + 1.875 + 0.9375) / 5, not (15 + 15 + 3.75 + ...) / 5.
+    assert history.history["grad_norm"] == [5.8125]
+
+
+def test_keep_every_labels_a_read_step_with_the_epoch_it_ran_in(tmp_path):
+    # 5 batches per epoch, epochs 2 and 3 (initial_epoch=2), lr 0: 5w = 15,
+    # but batch 5 of each epoch is doubled: 15 * 2^2 = 60. keep_every=2
+    # writes steps 1, 3, 5, 7, 9; checks every 3 batches, after steps 3, 6
+    # and 9, read steps 3, 5 and 9. Step 5 is epoch 2's last batch, read
+    # while epoch 3 runs: it is labelled epoch 2 (file "e3", 1-based).
+    model = hand_model(lr=0.0, keep_every=2)
+    x, y = hand_data(5)
+    x[8:] *= 2.0
+    snapshot = callbacks.GradientSnapshot(tmp_path / "e{epoch}_s{step}.npz", every=3)
+    monitor = callbacks.GradientMonitor(exploding_threshold=40.0, check_freq=3)
+    with pytest.warns(UserWarning, match=r"Step 5: exploding gradients: global norm 60 "):
+        model.fit(
+            x,
+            y,
+            batch_size=2,
+            epochs=4,
+            initial_epoch=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[snapshot, monitor],
+        )
+    found = []
+    for filename in snapshot.files:
+        with np.load(filename) as data:
+            found.append(
+                (
+                    os.path.basename(filename),
+                    int(data["step"]),
+                    int(data["epoch"]),
+                    float(data["dense_0/kernel"][0, 0]),
+                )
+            )
+    assert found == [
+        ("e3_s3.npz", 3, 3, 15.0),
+        ("e3_s5.npz", 5, 3, 60.0),
+        ("e4_s9.npz", 9, 4, 15.0),
+    ]
+    assert [(e["kind"], e["step"], e["epoch"]) for e in monitor.events] == [("exploding", 5, 2)]
+
+
+def test_keep_every_labels_across_executions_and_fits(tmp_path):
+    # keep_every=3 and steps_per_execution=2: callbacks run after steps 2, 4
+    # of each fit. The count of steps goes on across fits: writes on global
+    # steps 1, 4, 7 (5w: 15, 1.875, 0.234375; w halves every step).
+    model = hand_model(keep_every=3, steps_per_execution=2)
+    x, y = hand_data(4)
+
+    def fit(name):
+        snapshot = callbacks.GradientSnapshot(tmp_path / name / "{step}.npz", every=1)
+        model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[snapshot])
+        found = []
+        for filename in snapshot.files:
+            with np.load(filename) as data:
+                found.append(
+                    (
+                        os.path.basename(filename),
+                        int(data["step"]),
+                        float(data["dense_0/kernel"][0, 0]),
+                    )
+                )
+        return found
+
+    # Fit 1: after step 2 the slots hold step 1's (one step old), after
+    # step 4 step 4's.
+    assert fit("first") == [("1.npz", 1, 15.0), ("4.npz", 4, 1.875)]
+    # Fit 2 (global steps 5-8): after its step 2 the slots still hold fit
+    # 1's step 4, which is not this fit's and is skipped; after its step 4,
+    # global step 7, its step 3.
+    assert fit("second") == [("3.npz", 3, 0.234375)]
+
+
+@pytest.mark.parametrize("own_step", [False, True], ids=["keras_step", "own_step"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_callbacks_of_a_model_built_by_its_first_batch(tmp_path, mode, own_step):
+    # 5w = 15, then w = 3 - 0.1 * 15 = 1.5 and 5w = 7.5.
+    model = LateBuilt(own_step=own_step, name="net")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **MODES[mode])
+    snapshot = callbacks.GradientSnapshot(tmp_path / "g_{step}.npz", every=1)
+    board = callbacks.GradientTensorBoard(tmp_path / "logs", update_freq=1)
+    monitor = callbacks.GradientMonitor(exploding_threshold=10.0)
+    x, y = hand_data(2)
+    # (`pytest.warns` would re-raise Keras's TensorBoard deprecation warnings.)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(
+            x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[snapshot, board, monitor]
+        )
+    assert [str(w.message)[:56] for w in caught if w.category is UserWarning] == [
+        "GradientMonitor: Step 1: exploding gradients: global nor"
+    ]
+    assert snapshot.files == [str(tmp_path / "g_1.npz"), str(tmp_path / "g_2.npz")]
+    found = []
+    for filename in snapshot.files:
+        with np.load(filename) as data:
+            assert sorted(data.files) == ["epoch", "loss_scale", "net/dense_0/kernel", "step"]
+            found.append(
+                (
+                    int(data["step"]),
+                    int(data["epoch"]),
+                    float(data["loss_scale"]),
+                    data["net/dense_0/kernel"].tolist(),
+                )
+            )
+    assert found == [(1, 1, 1.0, [[15.0]]), (2, 1, 1.0, [[7.5]])]
+    acc = read_run(str(tmp_path / "logs" / "train"))
+    assert scalars(acc, "gradients/layer_norm/net/dense_0") == [(1, 15.0), (2, 7.5)]
+    assert [(e["kind"], e["step"], e["layers"]) for e in monitor.events] == [
+        ("exploding", 1, ["net/dense_0"])
+    ]
