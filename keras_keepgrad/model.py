@@ -2,7 +2,6 @@
 
 import contextlib
 import functools
-import inspect
 import numbers
 import os
 import sys
@@ -17,6 +16,7 @@ from keras_keepgrad import _capture
 from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _saving
+from keras_keepgrad import _torch_compile
 
 # The backend's keeping mechanism; the JAX and PyTorch ones do not import
 # TensorFlow.
@@ -76,9 +76,12 @@ def _keeping(train_step):
     @functools.wraps(train_step)
     def keeping(self, *args, **kwargs):
         # `(data)` on TensorFlow and PyTorch, `(state, data)` on JAX.
-        with _keeping_context(self):
+        with _torch_compile.eager_context(_keeping_context, self):
             return train_step(self, *args, **kwargs)
 
+    # Under `torch.compile` the step's bookkeeping runs eagerly, and
+    # `train_step` is compiled on its own.
+    keeping = _torch_compile.eager_frame(keeping)
     keeping._keeps = True
     return keeping
 
@@ -102,9 +105,10 @@ def _marking_evaluation(test_step):
 
     @functools.wraps(test_step)
     def marked(self, *args, **kwargs):
-        with _keeper.evaluation_step():
+        with _torch_compile.eager_context(_keeper.evaluation_step):
             return test_step(self, *args, **kwargs)
 
+    marked = _torch_compile.eager_frame(marked)
     marked._marks_evaluation = True
     return marked
 
@@ -209,8 +213,6 @@ class KeepGradModel(keras.Model):
     @keep_gradients.setter
     def keep_gradients(self, value):
         value = _checks.check_bool("keep_gradients", value)
-        if value and _compat.BACKEND == "torch" and getattr(self, "_jit_compile", False):
-            self._refuse_torch_compile(True)  # before anything changes
         if value != self._keep_gradients:
             # The training function is traced with or without keeping.
             self.train_function = None
@@ -321,8 +323,8 @@ class KeepGradModel(keras.Model):
         Under a `tf.distribute` strategy with several replicas XLA cannot
         compile Keras's step (it reads each replica's variables from one
         device), so `True` falls back to `False` with a warning. On PyTorch,
-        `True` (`torch.compile`) is refused while the model keeps gradients
-        (see `_refuse_torch_compile`).
+        `True` compiles the step with `torch.compile`, the keeping outside
+        it (see `_torch_compile`).
         """
         if getattr(getattr(self, "_pending", None), "xla_inside_step", False):
             return False  # only while `_make_function` wraps an XLA step
@@ -346,83 +348,7 @@ class KeepGradModel(keras.Model):
                 stacklevel=_user_stacklevel(),
             )
             value = False
-        if value and getattr(self, "_keep_gradients", False):
-            value = self._refuse_torch_compile(value)
         keras.Model.jit_compile.fset(self, value)
-
-    def _without_torch_compile(self, config, what):
-        """`compile` arguments made elsewhere, `jit_compile` off on PyTorch.
-
-        A file compiled with XLA on another backend, or a plain model that
-        `keep_gradients()` wraps with its compile arguments: the request
-        was not made of this model, so it falls back, saying so.
-        """
-        jit_compile = config.get("jit_compile", "auto")
-        if (
-            _compat.BACKEND == "torch"
-            and self._keep_gradients
-            and jit_compile
-            and jit_compile != "auto"
-            and not config.get("run_eagerly")
-        ):
-            warnings.warn(
-                f"{what} was compiled with `jit_compile={jit_compile!r}`, which "
-                "a `KeepGradModel` that keeps gradients does not support on "
-                "the PyTorch backend (TensorFlow and JAX do): compiled with "
-                "`jit_compile=False` (eager) instead.",
-                stacklevel=3,
-            )
-            config = dict(config, jit_compile=False)
-        return config
-
-    def _refuse_torch_compile(self, value):
-        """`value`; raises on PyTorch.
-
-        `torch.compile` splits the step into pieces (at `loss.backward()`
-        and at the keeping itself), its compiled `Adam` update writes the
-        gradient tensors it receives in place, and gradient metrics fail to
-        trace: keeping under it is not verified exact. Eager is Keras's
-        default on PyTorch anyway. Called before anything is changed.
-        """
-        if _compat.BACKEND != "torch":
-            return value
-        raise ValueError(
-            "`jit_compile=True` (`torch.compile`) is not supported by a "
-            "`KeepGradModel` that keeps gradients on the PyTorch backend: "
-            "keeping under the compiled step is not verified exact, and "
-            "gradient metrics do not trace under it. The TensorFlow and JAX "
-            "backends support it (XLA). On PyTorch pass `jit_compile=False` "
-            "(eager, Keras's default there), or `keep_gradients=False` for "
-            f"a plain compiled model. Received: jit_compile={value!r}."
-        )
-
-    def compile(self, *args, **kwargs):
-        if _compat.BACKEND == "torch" and self._keep_gradients:
-            # Refused before Keras's `compile` sets the optimizer and loss,
-            # so that a refused call leaves the model as it was. Keras turns
-            # "auto" off on PyTorch, and any value off under `run_eagerly`.
-            arguments = inspect.signature(keras.Model.compile).bind(self, *args, **kwargs).arguments
-            jit_compile = arguments.get("jit_compile", "auto")
-            if jit_compile and jit_compile != "auto" and not arguments.get("run_eagerly"):
-                self._refuse_torch_compile(jit_compile)
-        super().compile(*args, **kwargs)
-
-    compile.__doc__ = keras.Model.compile.__doc__
-
-    def compile_from_config(self, config):
-        # Keras's own skips compiling a model whose class overrides
-        # `compile`, as this one does: the same steps, for a `compile` that
-        # only adds a check. A user's subclass with its own `compile` gets
-        # Keras's behaviour (a warning, and no compile).
-        if type(self).compile is not KeepGradModel.compile:
-            return super().compile_from_config(config)
-        config = self._without_torch_compile(
-            keras.saving.deserialize_keras_object(config), "The loaded model"
-        )
-        self.compile(**config)
-        if hasattr(self, "optimizer") and self.built:
-            # As Keras: the optimizer's variables, for its loaded state.
-            self.optimizer.build(self.trainable_variables)
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
@@ -503,6 +429,9 @@ class KeepGradModel(keras.Model):
                 "variables."
             )
         return step.keeper.keep_given(step, variables, grads)
+
+    # Under `torch.compile`, kept as in an eager step (`_torch_compile`).
+    keep_step_gradients = _torch_compile.eager(keep_step_gradients)
 
     # Whoever wrote `train_step`, it runs as a step whose optimizers'
     # gradients are kept; gradient metrics skip evaluation steps.
@@ -969,7 +898,7 @@ def keep_gradients(model: keras.Model, **options: Any) -> "KeepGradModel":
         if model.compiled:
             config = _compat.compile_arguments(model)
             config["optimizer"] = model.optimizer
-            kept.compile(**kept._without_torch_compile(config, f"Model {model.name!r}"))
+            kept.compile(**config)
     return kept
 
 
