@@ -4,9 +4,9 @@ On Keras's PyTorch backend a training step runs eagerly, in Python:
 Keras's `train_step` calls `self.zero_grad()` (which sets every
 parameter's `.grad` to None), the scaled loss's `backward()`, reads each
 variable's `v.value.grad` and calls `optimizer.apply(grads, variables)`
-under `torch.no_grad()`. (With `jit_compile=True` Keras would hand the
-step to `torch.compile`; a keeping model refuses that, see
-`KeepGradModel._refuse_torch_compile`.)
+under `torch.no_grad()`. (With `jit_compile=True` Keras hands the step
+to `torch.compile`; everything here still runs eagerly, outside what it
+compiles: see `_torch_compile`.)
 
 Keeping follows that model. `_capture` hands this keeper the gradients
 each `optimizer.apply` receives (a `LossScaleOptimizer`'s inner `apply` is
