@@ -25,6 +25,7 @@ import keras
 from keras import ops
 
 from keras_keepgrad import _compat
+from keras_keepgrad import _torch_compile
 
 __all__ = [
     "Step",
@@ -43,6 +44,12 @@ __all__ = [
 ]
 
 _local = threading.local()
+
+# Training steps open on any thread. On PyTorch, `torch.compile` reads it
+# (as a guarded constant) where the thread-local step would be a new object
+# every step: see `_capturing`.
+_open_steps = 0
+_open_steps_lock = threading.Lock()
 
 
 class Step:
@@ -269,9 +276,12 @@ def current_step():
 @contextlib.contextmanager
 def training_step(model, keeper):
     """Runs the block as `model`'s training step; yields the `Step`."""
+    global _open_steps
     step = Step(model, keeper)
     previous = current_step()
     _local.step = step
+    with _open_steps_lock:
+        _open_steps += 1
     try:
         keeper.begin_step(step)
         yield step
@@ -279,6 +289,8 @@ def training_step(model, keeper):
         keeper.ran_a_step = True
     finally:
         _local.step = previous
+        with _open_steps_lock:
+            _open_steps -= 1
 
 
 def nothing_kept_message(model):
@@ -336,8 +348,30 @@ def _capturing(apply):
 
         return step.keeper.keep_from_optimizer(step, optimizer, variables, grads, run)
 
+    if keras.backend.backend() == "torch":
+        capturing_apply = _outside_torch_compile(apply, capturing_apply)
     capturing_apply._keepgrad_original = apply
     return do_not_convert(capturing_apply)
+
+
+def _outside_torch_compile(apply, capturing_apply):
+    """`capturing_apply`, run outside what `torch.compile` traces.
+
+    Inside a compiled training step the capture and the update it wraps
+    run eagerly (`_torch_compile.eager`), exactly as in an eager step: the
+    keeper reads each gradient's version counter and copies it around the
+    update that really runs. Where no training step is open (a plain
+    model's), `apply` is Keras's own, compiled as Keras compiles it.
+    """
+    eager = _torch_compile.eager(capturing_apply)
+
+    @functools.wraps(apply)
+    def capturing_apply_torch(optimizer, grads, trainable_variables=None):
+        if _open_steps:
+            return eager(optimizer, grads, trainable_variables)
+        return apply(optimizer, grads, trainable_variables)
+
+    return capturing_apply_torch
 
 
 def _capturing_stateless(stateless_apply):

@@ -28,6 +28,7 @@ from keras_keepgrad import _capture
 from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _stats as _grad_stats
+from keras_keepgrad import _torch_compile
 
 if _compat.BACKEND in ("jax", "torch"):
     # The same arithmetic, in `keras.ops`, and the keeper's step view.
@@ -228,6 +229,15 @@ class GradientMetric(keras.metrics.Metric):
         if keys is not None:
             self._build_state(keys)
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A subclass's own `update_state` and `result` read the step's kept
+        # gradients too: outside `torch.compile`, as the base class's.
+        for name in ("update_state", "result"):
+            method = vars(cls).get(name)
+            if method is not None:
+                setattr(cls, name, _torch_compile.eager(method))
+
     # What subclasses define -------------------------------------------
 
     def _keys_for(self, paths):
@@ -414,6 +424,10 @@ class GradientMetric(keras.metrics.Metric):
                 value = tf.where(count > 0, value, nothing)
             results[key] = value
         return results
+
+    # Under `torch.compile`, run as in an eager step (`_torch_compile`).
+    update_state = _torch_compile.eager(update_state)
+    result = _torch_compile.eager(result)
 
     # Serialization ----------------------------------------------------
 

@@ -11,6 +11,7 @@ from keras_keepgrad import _capture
 from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _saving
+from keras_keepgrad import _torch_compile
 from keras_keepgrad import backend
 from keras_keepgrad import metrics as metrics_lib
 
@@ -29,9 +30,15 @@ def _keeping(train_step):
     @functools.wraps(train_step)
     def keeping(self, *args, **kwargs):
         # `(data)` on TensorFlow and PyTorch, `(state, data)` on JAX.
-        with _restoring_context(self), _keeping_context(self):
+        with (
+            _torch_compile.eager_context(_restoring_context, self),
+            _torch_compile.eager_context(_keeping_context, self),
+        ):
             return train_step(self, *args, **kwargs)
 
+    # Under `torch.compile` the step's bookkeeping runs eagerly, and
+    # `train_step` is compiled on its own.
+    keeping = _torch_compile.eager_frame(keeping)
     keeping._keeps = True
     return keeping
 
@@ -115,9 +122,10 @@ def _marking_evaluation(test_step):
 
     @functools.wraps(test_step)
     def marked(self, *args, **kwargs):
-        with _capture.evaluation_step():
+        with _torch_compile.eager_context(_capture.evaluation_step):
             return test_step(self, *args, **kwargs)
 
+    marked = _torch_compile.eager_frame(marked)
     marked._marks_evaluation = True
     return marked
 
@@ -386,6 +394,9 @@ class KeepGradModel(backend.Trainer, keras.Model):
         step.claim(variables)
         step.before_update()
         return step.keeper.keep_given(step, variables, grads)
+
+    # Under `torch.compile`, kept as in an eager step (`_torch_compile`).
+    keep_step_gradients = _torch_compile.eager(keep_step_gradients)
 
     # Whoever wrote `train_step`, it runs as a step whose optimizers'
     # gradients are kept; gradient metrics skip evaluation steps.

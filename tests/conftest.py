@@ -40,10 +40,7 @@ MODES = {
     "graph": dict(jit_compile=False),
     "jit": dict(jit_compile=True),
 }
-if keras.backend.backend() == "torch":
-    # A keeping model refuses `torch.compile` with a warning
-    # (`torch_backend/test_torch.py` checks it); both other modes are eager.
-    del MODES["jit"]
+# On PyTorch "eager" and "graph" both run eagerly, "jit" with `torch.compile`.
 
 
 @pytest.fixture(autouse=True)

@@ -4,9 +4,9 @@ On Keras's PyTorch backend a training step runs eagerly, in Python:
 Keras's `train_step` calls `self.zero_grad()` (which sets every
 parameter's `.grad` to None), the scaled loss's `backward()`, reads each
 variable's `v.value.grad` and calls `optimizer.apply(grads, variables)`
-under `torch.no_grad()`. (With `jit_compile=True` Keras would hand the
-step to `torch.compile`; a keeping model refuses that, see
-`Trainer._refuse_torch_compile`.)
+under `torch.no_grad()`. (With `jit_compile=True` Keras hands the step
+to `torch.compile`; everything here still runs eagerly, outside what it
+compiles: see `_torch_compile`.)
 
 Keeping follows that model. `_capture` hands this keeper the gradients
 each `optimizer.apply` receives (a `LossScaleOptimizer`'s inner `apply` is
@@ -40,9 +40,7 @@ trainer; besides Keras's public API it reads the torch tensor behind a
 variable (`variable.value`) and a tensor's version counter.
 """
 
-import inspect
 import types
-import warnings
 import weakref
 
 import keras
@@ -256,73 +254,11 @@ class GradientKeeper(base.HostCountedKeeper):
 
 
 class Trainer(base.Trainer):
-    """`KeepGradModel` on PyTorch: eager steps, `torch.compile` refused."""
+    """`KeepGradModel` on PyTorch: eager steps; under `torch.compile` the
+    keeping runs eagerly between the compiled pieces (`_torch_compile`)."""
 
     def _new_keeper(self):
         return GradientKeeper(every=self._keep_every, name=self.name)
-
-    def _checked_jit_compile(self, value):
-        if value and getattr(self, "_keep_gradients", False):
-            value = self._refuse_torch_compile(value)
-        return value
-
-    def _check_keeping_allowed(self):
-        if getattr(self, "_jit_compile", False):
-            self._refuse_torch_compile(True)  # before anything changes
-
-    def _compile_config_made_elsewhere(self, config, what):
-        """`compile` arguments made elsewhere, `jit_compile` off.
-
-        A file compiled with XLA on another backend, or a plain model that
-        `keep_gradients()` wraps with its compile arguments: the request
-        was not made of this model, so it falls back, saying so.
-        """
-        jit_compile = config.get("jit_compile", "auto")
-        if (
-            self._keep_gradients
-            and jit_compile
-            and jit_compile != "auto"
-            and not config.get("run_eagerly")
-        ):
-            warnings.warn(
-                f"{what} was compiled with `jit_compile={jit_compile!r}`, which "
-                "a `KeepGradModel` that keeps gradients does not support on "
-                "the PyTorch backend (TensorFlow and JAX do): compiled with "
-                "`jit_compile=False` (eager) instead.",
-                stacklevel=3,
-            )
-            config = dict(config, jit_compile=False)
-        return config
-
-    def _refuse_torch_compile(self, value):
-        """Raises.
-
-        `torch.compile` splits the step into pieces (at `loss.backward()`
-        and at the keeping itself), its compiled `Adam` update writes the
-        gradient tensors it receives in place, and gradient metrics fail to
-        trace: keeping under it is not verified exact. Eager is Keras's
-        default on PyTorch anyway. Called before anything is changed.
-        """
-        raise ValueError(
-            "`jit_compile=True` (`torch.compile`) is not supported by a "
-            "`KeepGradModel` that keeps gradients on the PyTorch backend: "
-            "keeping under the compiled step is not verified exact, and "
-            "gradient metrics do not trace under it. The TensorFlow and JAX "
-            "backends support it (XLA). On PyTorch pass `jit_compile=False` "
-            "(eager, Keras's default there), or `keep_gradients=False` for "
-            f"a plain compiled model. Received: jit_compile={value!r}."
-        )
-
-    def _check_compile_arguments(self, args, kwargs):
-        if not self._keep_gradients:
-            return
-        # Refused before Keras's `compile` sets the optimizer and loss,
-        # so that a refused call leaves the model as it was. Keras turns
-        # "auto" off on PyTorch, and any value off under `run_eagerly`.
-        arguments = inspect.signature(keras.Model.compile).bind(self, *args, **kwargs).arguments
-        jit_compile = arguments.get("jit_compile", "auto")
-        if jit_compile and jit_compile != "auto" and not arguments.get("run_eagerly"):
-            self._refuse_torch_compile(jit_compile)
 
     def _module_attribute(self, name):
         # `torch.nn.Module` keeps submodules, parameters and buffers out of

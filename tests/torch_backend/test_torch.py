@@ -45,6 +45,10 @@ def user_warnings(fn, *args, **kwargs):
     return [str(w.message) for w in seen if w.category is UserWarning]
 
 
+# Where the behaviour must not change: eager, and compiled with `torch.compile`.
+JIT = pytest.mark.parametrize("jit_compile", [False, True], ids=["eager", "jit"])
+
+
 def reference_grad(w):
     """`torch.autograd.grad` of the same loss, mean((w*x)^2), at `w`."""
     w = torch.tensor(w, dtype=torch.float32, requires_grad=True)
@@ -104,15 +108,17 @@ class _TorchStyleNet(kg.KeepGradModel):
         return {"loss": loss.detach()}
 
 
-def test_own_torch_style_train_step_is_kept():
+@JIT
+def test_own_torch_style_train_step_is_kept(jit_compile):
     # Half the loss: the optimizer receives 7.5, which is kept.
     net = _TorchStyleNet(factor=0.5, name="net")
-    fit_once(net)
+    fit_once(net, jit_compile=jit_compile)
     assert float(net.gradients["net"]["dense_0"]["kernel"][0, 0]) == 7.5
     assert float(net.get_weights()[0][0, 0]) == 2.25  # 3 - 0.1 * 7.5
 
 
-def test_two_optimizers_in_own_train_step_are_both_kept():
+@JIT
+def test_two_optimizers_in_own_train_step_are_both_kept(jit_compile):
     # A GAN-like step: each of two one-weight layers has its own optimizer.
     # y = w1 * w0 * x with w0 = 3, w1 = 1: d/dw0 = 5 * w0 * w1^2 = 15,
     # d/dw1 = 5 * w1 * w0^2 = 45.
@@ -139,7 +145,7 @@ def test_two_optimizers_in_own_train_step_are_both_kept():
             return {"loss": loss.detach()}
 
     net = Net(name="gan")
-    net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=jit_compile)
     net.fit(X, Y, batch_size=2, verbose=0)
     assert float(net.gradients["gan"]["first"]["kernel"][0, 0]) == 15.0
     assert float(net.gradients["gan"]["second"]["kernel"][0, 0]) == 45.0
@@ -191,7 +197,8 @@ def test_paths_that_collide_across_two_optimizers_raise_at_the_second():
     assert int(opt_b.iterations) == 0
 
 
-def test_keep_step_gradients_without_optimizer():
+@JIT
+def test_keep_step_gradients_without_optimizer(jit_compile):
     class Net(kg.KeepGradModel):
         def train_step(self, data):
             x, y = data
@@ -208,7 +215,7 @@ def test_keep_step_gradients_without_optimizer():
     inputs = keras.Input((1,))
     model = Net(inputs, dense_0()(inputs))
     metrics = [kg.metrics.GradientNorm(), kg.metrics.UpdateRatio()]
-    history = fit_once(model, metrics=metrics).history
+    history = fit_once(model, metrics=metrics, jit_compile=jit_compile).history
     assert float(kernel(model)[0, 0]) == 15.0
     assert float(model.get_weights()[0][0, 0]) == 1.5
     assert history["grad_norm"] == [15.0]
@@ -216,7 +223,8 @@ def test_keep_step_gradients_without_optimizer():
     assert np.isnan(history["update_ratio"][0])
 
 
-def test_loss_scale_optimizer_keeps_the_unscaled_gradient_once(monkeypatch):
+@JIT
+def test_loss_scale_optimizer_keeps_the_unscaled_gradient_once(monkeypatch, jit_compile):
     # Scale 8: the optimizer receives 8 * 15 = 120; its inner SGD receives
     # 15 (its `apply` is not kept a second time, scaled or not).
     from keras_keepgrad.backend import torch as _keeper_torch
@@ -234,7 +242,7 @@ def test_loss_scale_optimizer_keeps_the_unscaled_gradient_once(monkeypatch):
     )
     model = one_weight()
     rec = Recorder()
-    model.compile(optimizer=optimizer, loss="mse")
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
     fit_batches(model, 2, callbacks=[rec])
     assert calls == ["LossScaleOptimizer", "LossScaleOptimizer"]  # one per step
     assert rec.seen == [15.0, 7.5]
@@ -242,7 +250,8 @@ def test_loss_scale_optimizer_keeps_the_unscaled_gradient_once(monkeypatch):
     assert model.gradient_dtypes == {"dense_0/kernel": "float32"}
 
 
-def test_float16_variables_keep_the_dtype_their_update_receives():
+@JIT
+def test_float16_variables_keep_the_dtype_their_update_receives(jit_compile):
     # A float16 layer under a LossScaleOptimizer. On PyTorch, Keras's
     # unscaling `ops.divide(grad, scale)` of a float16 gradient by the
     # float32 0-d scale is float16 (torch's promotion; float32 on
@@ -259,7 +268,7 @@ def test_float16_variables_keep_the_dtype_their_update_receives():
         return inner_apply(grads, trainable_variables)
 
     inner.apply = spy
-    fit_once(model, optimizer=optimizer)
+    fit_once(model, optimizer=optimizer, jit_compile=jit_compile)
     (grad,) = received
     assert grad.dtype == torch.float16 and float(grad[0, 0]) == 15.0
     assert model.gradient_dtypes == {"dense_0/kernel": "float16"}
@@ -268,7 +277,8 @@ def test_float16_variables_keep_the_dtype_their_update_receives():
     assert float(model.get_weights()[0][0, 0]) == 1.5
 
 
-def test_adam_clipping_and_weight_decay_leave_the_held_gradient_as_received():
+@JIT
+def test_adam_clipping_and_weight_decay_leave_the_held_gradient_as_received(jit_compile):
     # Adam's `torch._foreach_*_` updates, `clipnorm` and AdamW's decay read
     # the gradient and write other tensors: the held `.grad` stays 5w,
     # unclipped. Adam's first step moves w by lr: 3 -> 2.9 (decay first:
@@ -279,7 +289,7 @@ def test_adam_clipping_and_weight_decay_leave_the_held_gradient_as_received():
     ]:
         model = one_weight()
         rec = Recorder()
-        model.compile(optimizer=optimizer, loss="mse")
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
         fit_batches(model, 2, callbacks=[rec])
         assert rec.seen[0] == 15.0
         assert rec.seen[1] == pytest.approx(5.0 * w1, rel=1e-5)  # 5w at w1
@@ -294,71 +304,113 @@ def test_steps_per_execution_is_refused_by_keras_on_torch():
         model.fit(np.tile(X, (4, 1)), np.tile(Y, (4, 1)), batch_size=2, verbose=0)
 
 
-JIT_REFUSED = (
-    r"`jit_compile=True` \(`torch.compile`\) is not supported.*"
-    r"The TensorFlow and JAX backends support it.*Received: jit_compile=True"
-)
+# `torch.compile` (jit_compile=True): the step compiled, the keeping eager -----
 
 
-def test_jit_compile_is_refused_naming_the_backends_that_support_it():
+def test_jit_compile_compiles_the_step_and_keeps_outside_it(monkeypatch):
+    from torch._dynamo.utils import counters
+
+    from keras_keepgrad.backend import torch as _keeper_torch
+
+    compiling = []
+    keep = _keeper_torch.GradientKeeper.keep_from_optimizer
+
+    def spy(self, *args):
+        compiling.append(torch.compiler.is_compiling())
+        return keep(self, *args)
+
+    monkeypatch.setattr(_keeper_torch.GradientKeeper, "keep_from_optimizer", spy)
+    counters.clear()
     model = one_weight()
-    with pytest.raises(ValueError, match=JIT_REFUSED):
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
-    assert not model.compiled and not hasattr(model, "optimizer")  # nothing was set
-    with pytest.raises(ValueError, match=JIT_REFUSED[:-4] + "1"):
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=1)
-    assert not model.compiled and not hasattr(model, "optimizer")
-    # As Keras: under `run_eagerly` it warns and turns `jit_compile` off.
-    with pytest.warns(UserWarning, match="`jit_compile` cannot also be True"):
-        model.compile(optimizer="sgd", loss="mse", run_eagerly=True, jit_compile=True)
-    assert (model.jit_compile, model.run_eagerly) == (False, True)
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    with pytest.raises(ValueError, match=JIT_REFUSED):
-        model.jit_compile = True
-    assert model.jit_compile is False
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss="mse",
+        jit_compile=True,
+        metrics=[kg.metrics.GradientNorm(reduction="last")],
+    )
+    assert model.jit_compile is True
     rec = Recorder()
-    fit_batches(model, 2, callbacks=[rec])
+    history = model.fit(
+        np.tile(X, (2, 1)),
+        np.tile(Y, (2, 1)),
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[rec],
+    )
+    assert rec.seen == [15.0, 7.5]
+    assert history.history["grad_norm"] == [7.5]
+    assert float(model.get_weights()[0][0, 0]) == 0.75
+    # The step was compiled, and the keeping ran outside it, on each step.
+    assert counters["stats"]["unique_graphs"] > 0
+    assert compiling == [False, False]
+    # Compiled too, evaluation leaves the gradient metrics out.
+    assert "grad_norm" not in model.evaluate(X, Y, verbose=0, return_dict=True)
+
+
+def test_jit_compile_set_afterwards_and_keeping_turned_on_under_it():
+    model = one_weight(keep_gradients=False)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+    model.keep_gradients = True
+    assert (model.keep_gradients, model.jit_compile) == (True, True)
+    model.jit_compile = False
+    model.jit_compile = True
+    assert model.jit_compile is True
+    rec = fit_batches(model, 2)
     assert rec.seen == [15.0, 7.5]
 
 
-def test_jit_compile_stays_for_a_model_that_keeps_nothing_until_keeping_is_on():
-    model = one_weight(keep_gradients=False)
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
-    assert model.jit_compile is True  # a plain `keras.Model` in everything
-    with pytest.raises(ValueError, match=JIT_REFUSED):
-        model.keep_gradients = True
-    assert (model.keep_gradients, model.jit_compile) == (False, True)  # unchanged
-    model.jit_compile = False
-    model.keep_gradients = True
-    model.fit(X, Y, batch_size=2, verbose=0)
-    assert float(kernel(model)[0, 0]) == 15.0
-
-
-def test_a_restored_jit_compile_falls_back_with_a_warning_and_loading_compiles(tmp_path):
-    # A compile config with `jit_compile=True`, as a file made with XLA on
-    # TensorFlow or JAX holds: restoring it here must not fail.
+def test_a_restored_or_wrapped_jit_compile_is_kept(tmp_path):
+    # A compile config with `jit_compile=True` (a file saved on any
+    # backend) compiles the step with `torch.compile`.
     plain = one_weight(keep_gradients=False)
     plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
     config = plain.get_compile_config()
     assert config["jit_compile"] is True
     model = one_weight()
-    with pytest.warns(UserWarning, match=r"compiled with `jit_compile=False` \(eager\) instead"):
-        model.compile_from_config(config)
-    assert model.compiled and model.jit_compile is False
-    rec = Recorder()
-    fit_batches(model, 2, callbacks=[rec])
+    model.compile_from_config(config)
+    assert model.compiled and model.jit_compile is True
+    rec = fit_batches(model, 2)
     assert rec.seen == [15.0, 7.5]
-    # `keep_gradients()` of a plain model compiled so: the same fallback.
+    # `keep_gradients()` of a plain model compiled so: the same.
     plain = one_weight(cls=keras.Model, name="plain")
     plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
-    with pytest.warns(UserWarning, match=r"Model 'plain' was compiled with `jit_compile=True`"):
-        wrapped = kg.keep_gradients(plain)
-    assert wrapped.compiled and wrapped.jit_compile is False
+    wrapped = kg.keep_gradients(plain)
+    assert wrapped.compiled and wrapped.jit_compile is True
     # `load_model` compiles a saved KeepGradModel, with its optimizer's state.
     path = str(tmp_path / "m.keras")
     model.save(path)
     loaded = keras.models.load_model(path)
-    assert loaded.compiled and int(loaded.optimizer.iterations) == 2
+    assert loaded.compiled and loaded.jit_compile is True
+    assert int(loaded.optimizer.iterations) == 2
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_is_unscaled_under_jit_compile(policy):
+    # As `test_mixed_precision_is_unscaled` (any backend), compiled. The
+    # compiled float16 step computes its activations' gradients in float32
+    # (inductor upcasts), so the default scale need not overflow as it does
+    # eagerly: whatever the step computed, the kept value is what the update
+    # received, 5w unscaled, and SGD moved w by 0.1 of it (a skipped step:
+    # not at all).
+    keras.config.set_dtype_policy(policy)
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+    weights = []
+    callback = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda b, logs: weights.append(float(model.get_weights()[0][0, 0]))
+    )
+    rec = fit_batches(model, 4, callbacks=[callback])
+    before = [W0, *weights[:-1]]
+    for grad, w, w_after in zip(rec.seen, before, weights):
+        if np.isfinite(grad):
+            assert grad == 5.0 * w and w_after == w - 0.1 * grad
+        else:
+            assert policy == "mixed_float16" and w_after == w
+    if policy == "mixed_bfloat16":
+        assert rec.seen == [15.0, 7.5, 3.75, 1.875]
+    assert np.isfinite(rec.seen[-1])
+    assert model.gradient_dtypes == {"dense_0/kernel": "float32"}
 
 
 class _HandUpdate(kg.KeepGradModel):
@@ -460,7 +512,8 @@ def test_the_kept_gradient_is_a_copy_of_grad_and_survives_the_next_step():
     assert float(first[0, 0]) == 15.0 and float(kernel(model)[0, 0]) == 7.5
 
 
-def test_a_gradient_written_in_place_after_apply_is_kept_as_apply_received_it():
+@JIT
+def test_a_gradient_written_in_place_after_apply_is_kept_as_apply_received_it(jit_compile):
     class Net(_TorchStyleNet):
         def train_step(self, data):
             logs = super().train_step(data)
@@ -468,7 +521,7 @@ def test_a_gradient_written_in_place_after_apply_is_kept_as_apply_received_it():
             return logs
 
     net = Net(name="net")
-    net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=jit_compile)
     net.train_on_batch(X, Y)
     assert float(net.trainable_variables[0].value.grad[0, 0]) == 0.0
     assert float(net.gradients["net"]["dense_0"]["kernel"][0, 0]) == 15.0
@@ -503,7 +556,8 @@ def test_an_unscaled_gradient_is_not_copied_twice():
     assert made == []
 
 
-def test_zeroing_in_place_before_backward_keeps_every_step():
+@JIT
+def test_zeroing_in_place_before_backward_keeps_every_step(jit_compile):
     # `zero_grad(set_to_none=False)` at the start of each step zeroes the
     # tensors held from the step before; each step keeps its own anyway.
     net = _TorchStyleNet(zero_grad_in_place=True, name="net")
@@ -513,12 +567,13 @@ def test_zeroing_in_place_before_backward_keeps_every_step():
             float(net.gradients["net"]["dense_0"]["kernel"][0, 0])
         )
     )
-    net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=jit_compile)
     fit_batches(net, 3, callbacks=[callback])
     assert rec == [15.0, 7.5, 3.75]
 
 
-def test_keep_every_holds_its_copy_through_in_place_zeroing():
+@JIT
+def test_keep_every_holds_its_copy_through_in_place_zeroing(jit_compile):
     # With `keep_every=2` the gradients of steps 1, 3, 5 are held over the
     # next step, whose in-place `zero_grad` zeroes the parameters' `.grad`:
     # the held copies are left alone.
@@ -529,7 +584,7 @@ def test_keep_every_holds_its_copy_through_in_place_zeroing():
             float(net.gradients["net"]["dense_0"]["kernel"][0, 0])
         )
     )
-    net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=jit_compile)
     fit_batches(net, 5, callbacks=[callback])
     assert rec == [15.0, 15.0, 3.75, 3.75, 0.9375]
 
@@ -543,20 +598,22 @@ def test_no_tensorflow_in_the_keeper():
     assert "tf" not in _keeper_torch.__dict__
 
 
-def test_update_ratio_copies_only_when_asked():
+@JIT
+def test_update_ratio_copies_only_when_asked(jit_compile):
     model = one_weight()
-    fit_once(model)
+    fit_once(model, jit_compile=jit_compile)
     assert model._keeper.record_updates is False
     model = one_weight()
-    history = fit_once(model, metrics=[kg.metrics.UpdateRatio()])
+    history = fit_once(model, metrics=[kg.metrics.UpdateRatio()], jit_compile=jit_compile)
     assert model._keeper.record_updates is True
     assert history.history["update_ratio"] == [0.5]  # |1.5 - 3| / 3
 
 
-def test_per_layer_metrics():
+@JIT
+def test_per_layer_metrics(jit_compile):
     model = one_weight()
     metrics = [kg.metrics.GradientNorm(per_layer=True), kg.metrics.UpdateRatio(per_layer=True)]
-    history = fit_once(model, metrics=metrics)
+    history = fit_once(model, metrics=metrics, jit_compile=jit_compile)
     assert history.history["grad_norm/dense_0"] == [15.0]
     assert history.history["update_ratio/dense_0"] == [0.5]  # |1.5 - 3| / 3
 
@@ -661,20 +718,22 @@ class _ZeroingSGD(keras.optimizers.SGD):
         return result
 
 
-def test_an_update_that_writes_its_gradients_is_kept_as_it_received_them():
+@JIT
+def test_an_update_that_writes_its_gradients_is_kept_as_it_received_them(jit_compile):
     # Its first step shows the writes: every step is copied before the update.
     model = one_weight()
     optimizer = _ZeroingSGD(learning_rate=0.1)
-    model.compile(optimizer=optimizer, loss="mse")
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
     rec = fit_batches(model, 3)
     assert rec.seen == [15.0, 7.5, 3.75]
     assert float(model.trainable_variables[0].value.grad[0, 0]) == 0.0
     assert model._keeper._reads_only[optimizer] is False
 
 
-def test_keras_updates_only_read_their_gradients_so_later_steps_copy_after():
+@JIT
+def test_keras_updates_only_read_their_gradients_so_later_steps_copy_after(jit_compile):
     model = one_weight()
-    model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+    model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse", jit_compile=jit_compile)
     rec = fit_batches(model, 2)
     # Adam's first step moves w by lr * 15 / (15 + 1e-7), to 2.9: the
     # second step's copy, made after its update, still holds 5 * 2.9.
@@ -682,9 +741,12 @@ def test_keras_updates_only_read_their_gradients_so_later_steps_copy_after():
     assert model._keeper._reads_only[model.optimizer] is True
 
 
-def test_an_update_that_starts_writing_its_gradients_raises():
+@JIT
+def test_an_update_that_starts_writing_its_gradients_raises(jit_compile):
     model = one_weight()
-    model.compile(optimizer=_ZeroingSGD(from_step=2, learning_rate=0.1), loss="mse")
+    model.compile(
+        optimizer=_ZeroingSGD(from_step=2, learning_rate=0.1), loss="mse", jit_compile=jit_compile
+    )
     model.train_on_batch(X, Y)
     assert float(kernel(model)[0, 0]) == 15.0
     with pytest.raises(RuntimeError, match=r"wrote the gradients of \['dense_0/kernel'\] in place"):
