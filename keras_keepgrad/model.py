@@ -130,6 +130,35 @@ def _marking_evaluation(test_step):
     return marked
 
 
+# Under `torch.compile`, kept as in an eager step (`_torch_compile`).
+@_torch_compile.eager
+def _keep_given(model, grads, variables):
+    """What `KeepGradModel.keep_step_gradients` does."""
+    grads, variables = list(grads), list(variables)
+    step = _capture.current_step()
+    if not model._keep_gradients:
+        raise RuntimeError(
+            f"Model {model.name!r} does not keep gradients, so "
+            "`keep_step_gradients()` has nothing to keep them in. Build "
+            "it with `keep_gradients=True`."
+        )
+    if step is None or step.model is not model:
+        raise RuntimeError(
+            "`keep_step_gradients()` keeps the gradients of a training "
+            f"step of model {model.name!r}: call it from its `train_step` "
+            "(run by `fit` or `train_on_batch`)."
+        )
+    if len(grads) != len(variables):
+        raise ValueError(
+            "`grads` and `variables` must have one entry per variable. "
+            f"Received: {len(grads)} gradients for {len(variables)} "
+            "variables."
+        )
+    step.claim(variables)
+    step.before_update()
+    return step.keeper.keep_given(step, variables, grads)
+
+
 @keras.saving.register_keras_serializable(package="keras_keepgrad")
 class KeepGradModel(backend.Trainer, keras.Model):
     """A `keras.Model` that keeps each training batch's gradients.
@@ -371,32 +400,7 @@ class KeepGradModel(backend.Trainer, keras.Model):
                 return {"loss": loss}
         ```
         """
-        grads, variables = list(grads), list(variables)
-        step = _capture.current_step()
-        if not self._keep_gradients:
-            raise RuntimeError(
-                f"Model {self.name!r} does not keep gradients, so "
-                "`keep_step_gradients()` has nothing to keep them in. Build "
-                "it with `keep_gradients=True`."
-            )
-        if step is None or step.model is not self:
-            raise RuntimeError(
-                "`keep_step_gradients()` keeps the gradients of a training "
-                f"step of model {self.name!r}: call it from its `train_step` "
-                "(run by `fit` or `train_on_batch`)."
-            )
-        if len(grads) != len(variables):
-            raise ValueError(
-                "`grads` and `variables` must have one entry per variable. "
-                f"Received: {len(grads)} gradients for {len(variables)} "
-                "variables."
-            )
-        step.claim(variables)
-        step.before_update()
-        return step.keeper.keep_given(step, variables, grads)
-
-    # Under `torch.compile`, kept as in an eager step (`_torch_compile`).
-    keep_step_gradients = _torch_compile.eager(keep_step_gradients)
+        return _keep_given(self, grads, variables)
 
     # Whoever wrote `train_step`, it runs as a step whose optimizers'
     # gradients are kept; gradient metrics skip evaluation steps.

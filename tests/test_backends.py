@@ -39,7 +39,7 @@ def _run_suite(backend, **env):
         env=python_env(KERAS_BACKEND=backend, **env),
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1800,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     # Every case ran: none skipped (on JAX, for want of the two devices).
