@@ -159,19 +159,7 @@ class GradientKeeper(base.HostCountedKeeper):
         step.add(variables, kept, True)
 
     def keep_from_optimizer(self, step, optimizer, variables, grads, apply):
-        """Keeps what `optimizer.apply` receives, then runs `apply`.
-
-        Args:
-            step: The current `_capture.Step`.
-            optimizer: The optimizer whose `apply` was called.
-            variables: The variables it updates.
-            grads: The gradients it was given (loss-scaled, if the loss
-                was scaled).
-            apply: Runs the optimizer's own `apply` on a list of gradients.
-
-        Returns:
-            What `apply` returns.
-        """
+        """As `base.Keeper.keep_from_optimizer`."""
         with torch.no_grad():
             unscaled = unscale(optimizer, variables, grads)
             kept = [densify(k).detach() for k in unscaled]

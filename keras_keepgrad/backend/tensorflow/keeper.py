@@ -226,19 +226,7 @@ class GradientKeeper(xla.DeferredSparseWrites, base.Keeper):
             self._step.assign_add(1)
 
     def keep_from_optimizer(self, step, optimizer, variables, grads, apply):
-        """Keeps what `optimizer.apply` receives, then runs `apply`.
-
-        Args:
-            step: The current `_capture.Step`.
-            optimizer: The optimizer whose `apply` was called.
-            variables: The variables it updates.
-            grads: The gradients it was given (loss-scaled, if the loss
-                was scaled).
-            apply: Runs the optimizer's own `apply` on a list of gradients.
-
-        Returns:
-            What `apply` returns.
-        """
+        """As `base.Keeper.keep_from_optimizer`."""
         _check_unconditional(step, f"`{type(optimizer).__name__}.apply`")
         kept = unscale(optimizer, variables, grads)
         if self._choose_dense_after(variables, kept):
