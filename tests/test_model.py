@@ -847,13 +847,18 @@ def test_functional_and_subclassing_work_in_both_orders():
         fn.fit(np.ones((2, 1)), np.zeros((2, 1)), verbose=0)
         assert fn.gradients and isinstance(fn, kg.KeepGradModel)
     """
-    head = "import keras, numpy as np\nimport keras_keepgrad as kg\n"
+    # Keras's Functional constructor may swap a class's bases; ours stay put.
+    head = (
+        "import keras, numpy as np\nimport keras_keepgrad as kg\n"
+        "bases = kg.KeepGradModel.__bases__\n"
+        "assert keras.Model in bases\n"
+    )
     for order in (
         [functional, subclass, functional_subclass, subclass],
         [subclass, functional_subclass, functional, subclass],
     ):
         code = head + "".join(textwrap.dedent(part) for part in order)
-        code += "\nassert kg.KeepGradModel.__bases__ == (keras.Model,)\nprint('ok')\n"
+        code += "\nassert kg.KeepGradModel.__bases__ == bases\nprint('ok')\n"
         result = run_py(code)
         assert result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
