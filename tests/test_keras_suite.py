@@ -7,6 +7,7 @@ takes about ten minutes and runs as its own CI step:
 
 import importlib.util
 import os
+import shutil
 import types
 
 import keras
@@ -159,6 +160,37 @@ def test_differences_are_tests_passing_plain_only():
         "a.py::t5": ("missing", ""),
         "b.py::t4": ("error", "collection: E: z"),
     }
+
+
+@pytest.mark.slow  # two pytest processes
+def test_plain_tree_runs_only_what_did_not_pass_kept(tmp_path):
+    root = tmp_path / "plain"
+    root.mkdir()
+    shutil.copy(os.path.join(SUITE, "suite_conftest.py"), root / "conftest.py")
+    (root / "m_test.py").write_text(
+        "import pytest\n"
+        "def test_a(): pass\n"
+        "def test_b(): assert 1 == 2\n"
+        "@pytest.mark.skip(reason='r')\n"
+        "def test_c(): pass\n"
+        "def test_d(): pass\n"
+    )
+    collected = run.collect_tree(str(root), ["m_test.py"], [], 300)
+    assert collected == [f"m_test.py::test_{n}" for n in "abcd"]
+    kept = {
+        "m_test.py::test_a": {"outcome": "passed", "message": ""},
+        "m_test.py::test_b": {"outcome": "failed", "message": "E"},
+        "m_test.py::test_c": {"outcome": "skipped", "message": "r"},
+    }  # test_d: missing, as when a kept file fails to import
+    needed = run.plain_needed(collected, kept)
+    assert needed == ["m_test.py::test_b", "m_test.py::test_c", "m_test.py::test_d"]
+    plain, _, _ = run.run_tree(str(root), needed, [], 300)
+    assert {k: v["outcome"] for k, v in plain.items()} == {
+        "m_test.py::test_b": "failed",
+        "m_test.py::test_c": "skipped",
+        "m_test.py::test_d": "passed",
+    }
+    assert run.differences(plain, kept) == {"m_test.py::test_d": ("missing", "")}
 
 
 def test_known_differences_need_a_reason_and_none_are_listed(tmp_path):

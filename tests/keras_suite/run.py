@@ -7,6 +7,10 @@ every model the tests build, subclass or mix in is a `KeepGradModel`
 test that passes plain and does not pass kept (fails, errors, is skipped or
 is missing), unless `known_differences.txt` lists it with a reason.
 
+A test that passes kept is no difference whatever it does plain, so by
+default the plain tree runs only the tests it collects that did not pass
+kept (`--full-plain` runs all of it, beside the kept tree).
+
     python3 tests/keras_suite/run.py                  # everything, ~11 min
     python3 tests/keras_suite/run.py --files 'models/*'
     python3 tests/keras_suite/run.py -k fit_with_val  # passed on to pytest
@@ -168,17 +172,37 @@ def write_tree(root, files, variant):
             f.write(transform(source, rel, variant))
 
 
-def run_tree(root, files, pytest_args, timeout):
-    """Runs pytest in `root`; returns (outcomes, seconds, log path)."""
-    outcomes_path = os.path.join(root, "outcomes.json")
-    log_path = os.path.join(root, "pytest.log")
+def _tree_env(root, **extra):
     env = dict(os.environ)
     env.update(
         KERAS_BACKEND="tensorflow",
         TF_CPP_MIN_LOG_LEVEL="3",
-        KERAS_SUITE_OUTCOMES=outcomes_path,
         PYTHONPATH=os.pathsep.join([root, REPO, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        **extra,
     )
+    return env
+
+
+def collect_tree(root, files, pytest_args, timeout):
+    """The test ids pytest collects in `root` (without running them)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "--collect-only", *pytest_args, *files],
+        cwd=root,
+        env=_tree_env(root),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    return [line.strip() for line in result.stdout.splitlines() if "::" in line]
+
+
+def run_tree(root, files, pytest_args, timeout):
+    """Runs pytest in `root` on `files` (paths or test ids); returns
+    (outcomes, seconds, log path)."""
+    outcomes_path = os.path.join(root, "outcomes.json")
+    log_path = os.path.join(root, "pytest.log")
+    env = _tree_env(root, KERAS_SUITE_OUTCOMES=outcomes_path)
     command = [
         sys.executable,
         "-m",
@@ -223,6 +247,12 @@ def read_known_differences(path):
     return known
 
 
+def plain_needed(collected, kept):
+    """The plain tests whose outcome can make a difference: those of
+    `collected` that did not pass kept (failed, errored, skipped, missing)."""
+    return [t for t in collected if kept.get(t, {}).get("outcome") != "passed"]
+
+
 def differences(plain, kept):
     """`{test id: (kept outcome, message)}` for tests that pass plain only."""
     found = {}
@@ -245,10 +275,9 @@ def main(argv=None):
     )
     parser.add_argument("-k", default=None, help="passed on to pytest")
     parser.add_argument(
-        "--jobs",
-        type=int,
-        default=2,
-        help="run the two trees at once (2) or one after the other (1)",
+        "--full-plain",
+        action="store_true",
+        help="run every plain test, beside the kept tree, not only those that did not pass kept",
     )
     parser.add_argument(
         "--baseline",
@@ -266,6 +295,8 @@ def main(argv=None):
         "--timeout", type=float, default=25 * 60, help="seconds for each tree's pytest"
     )
     args = parser.parse_args(argv)
+    if args.save_baseline and not args.full_plain:
+        parser.error("--save-baseline needs --full-plain: a baseline holds every plain outcome")
 
     files = selected_files(args.files)
     if not files:
@@ -277,25 +308,41 @@ def main(argv=None):
         write_tree(os.path.join(work, variant), files, variant)
     print(f"keras_suite: {len(files)} files from {KERAS_SRC}, in {work}", flush=True)
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = {
-            variant: pool.submit(
-                run_tree, os.path.join(work, variant), files, pytest_args, args.timeout
-            )
-            for variant in variants
-        }
-        results = {variant: future.result() for variant, future in futures.items()}
+    if args.full_plain and not args.baseline:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            futures = {
+                variant: pool.submit(
+                    run_tree, os.path.join(work, variant), files, pytest_args, args.timeout
+                )
+                for variant in variants
+            }
+            results = {variant: future.result() for variant, future in futures.items()}
+    else:
+        results = {"kept": run_tree(os.path.join(work, "kept"), files, pytest_args, args.timeout)}
+    kept, seconds, _ = results["kept"]
+    print(f"kept:  {_counts(kept)} in {seconds:.0f} s")
 
     if args.baseline:
         with open(args.baseline) as f:
             plain = json.load(f)
         plain = {k: v for k, v in plain.items() if k.split("::")[0] in files}
-    else:
+    elif "plain" in results:
         plain, seconds, _ = results["plain"]
         print(f"plain: {_counts(plain)} in {seconds:.0f} s")
-    kept, seconds, _ = results["kept"]
-    print(f"kept:  {_counts(kept)} in {seconds:.0f} s")
-    if args.save_baseline and "plain" in results:
+    else:
+        root = os.path.join(work, "plain")
+        collected = collect_tree(root, files, pytest_args, args.timeout)
+        if not collected:
+            raise RuntimeError(f"pytest collected no tests in {root}")
+        needed = plain_needed(collected, kept)
+        plain, seconds = {}, 0.0
+        if needed:
+            plain, seconds, _ = run_tree(root, needed, [], args.timeout)
+        print(
+            f"plain: {_counts(plain) or 'nothing'} in {seconds:.0f} s, of the "
+            f"{len(needed)} of {len(collected)} tests that did not pass kept"
+        )
+    if args.save_baseline and args.full_plain:
         with open(args.save_baseline, "w") as f:
             json.dump(plain, f, indent=1, sort_keys=True)
 
