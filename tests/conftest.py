@@ -237,6 +237,36 @@ def python_env(**extra):
     return dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3", **extra)
 
 
+def run_script(args, backend, cwd, timeout=600):
+    """Runs `python args...` under `backend` in `cwd`; fails the test if it
+    exits with an error. Returns its stdout."""
+    result = subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=python_env(KERAS_BACKEND=backend),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, (backend, result.stdout[-2000:] + result.stderr[-4000:])
+    return result.stdout
+
+
+_TENSORFLOW_OUTPUT = {}
+
+
+def tensorflow_script_output(args, tmp_path_factory):
+    """`run_script(args, "tensorflow", .../tf)`'s output, run once per
+    session: the tutorials' own test and the comparison of their numbers
+    across backends share one run. Returns `(stdout, cwd)`."""
+    key = tuple(args)
+    if key not in _TENSORFLOW_OUTPUT:
+        cwd = tmp_path_factory.mktemp("script") / "tf"
+        cwd.mkdir()
+        _TENSORFLOW_OUTPUT[key] = run_script(args, "tensorflow", cwd), cwd
+    return _TENSORFLOW_OUTPUT[key]
+
+
 def run_benchmark(tmp_path, *args, out="result.json"):
     """Runs `benchmarks/run.py` with `args` and `--out`, from `tmp_path`.
 

@@ -16,11 +16,12 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 
 import pytest
 from conftest import REPO
 from conftest import python_env
+from conftest import run_script
+from conftest import tensorflow_script_output
 
 
 def _run_suite(backend, **env):
@@ -87,40 +88,20 @@ _NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
 _TIMING = re.compile(r"\d+(?:\.\d+)?(?:ms|us|s)(?:/step)?\b|Done in \S+ s")
 
 
-def _run(script, backend, cwd):
-    result = subprocess.run(
-        [sys.executable, *SCRIPTS[script]],
-        cwd=cwd,
-        env=python_env(KERAS_BACKEND=backend),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, (backend, result.stdout[-2000:] + result.stderr[-3000:])
-    return _TIMING.sub("<time>", result.stdout.replace(str(cwd), "<dir>")).splitlines()
-
-
-_TENSORFLOW_LINES = {}
-
-
-def _tensorflow_lines(script):
-    """The script's output on TensorFlow, run once for both comparisons."""
-    if script not in _TENSORFLOW_LINES:
-        with tempfile.TemporaryDirectory() as work:
-            os.mkdir(os.path.join(work, "tf"))
-            _TENSORFLOW_LINES[script] = _run(script, "tensorflow", os.path.join(work, "tf"))
-    return _TENSORFLOW_LINES[script]
+def _lines(stdout, cwd):
+    return _TIMING.sub("<time>", stdout.replace(str(cwd), "<dir>")).splitlines()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 @pytest.mark.parametrize("script", list(SCRIPTS))
-def test_same_numbers_as_on_tensorflow(script, backend, tmp_path):
+def test_same_numbers_as_on_tensorflow(script, backend, tmp_path, tmp_path_factory):
     if backend == "torch":
         _require_torch()
-    (tmp_path / backend).mkdir()
-    on_tf = _tensorflow_lines(script)
-    other = _run(script, backend, tmp_path / backend)
+    on_tf = _lines(*tensorflow_script_output(SCRIPTS[script], tmp_path_factory))
+    cwd = tmp_path / backend
+    cwd.mkdir()
+    other = _lines(run_script(SCRIPTS[script], backend, cwd), cwd)
     assert len(on_tf) == len(other) and on_tf, (on_tf, other)
     compared = 0
     for tf_line, line in zip(on_tf, other):

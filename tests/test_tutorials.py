@@ -2,12 +2,10 @@
 
 import glob
 import os
-import subprocess
-import sys
 
 import pytest
 from conftest import REPO
-from conftest import python_env
+from conftest import tensorflow_script_output
 
 TUTORIALS = sorted(glob.glob(os.path.join(REPO, "tutorials", "*.py")))
 
@@ -25,14 +23,7 @@ def test_there_are_tutorials():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", TUTORIALS, ids=os.path.basename)
-def test_tutorial_runs(path, tmp_path):
-    env = python_env()
-    result = subprocess.run(
-        [sys.executable, path, "--fast"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+def test_tutorial_runs(path, tmp_path_factory):
+    # The same run as the one `test_backends.py` compares with JAX's and
+    # PyTorch's: whichever test comes first runs it.
+    tensorflow_script_output([path, "--fast"], tmp_path_factory)
