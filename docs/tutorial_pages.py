@@ -24,11 +24,13 @@ python docs/tutorial_pages.py --check          # which records are stale, withou
 import argparse
 import glob
 import hashlib
+import json
 import logging
 import os
 import re
 import subprocess
 import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TUTORIALS = os.path.join(REPO, "tutorials")
@@ -112,9 +114,6 @@ _TIMING = re.compile(r"^(\d+/\d+) - \d+m?s - \d+(?:\.\d+)?[mun]?s/step( - |$)", 
 
 def run(name, env=None, cwd=None):
     """Runs `tutorials/<name>.py --fast`; returns the record's text."""
-    import json
-    import tempfile
-
     path = os.path.join(TUTORIALS, name + ".py")
     codes = code_cells(name)
     env = dict(env if env is not None else os.environ)
