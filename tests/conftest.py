@@ -286,6 +286,19 @@ def run_benchmark(tmp_path, *args, out="result.json"):
     return process, json.loads(path.read_text())
 
 
+def _load_tutorial_pages():
+    spec = importlib.util.spec_from_file_location(
+        "tutorial_pages", os.path.join(REPO, "docs", "tutorial_pages.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# `docs/tutorial_pages.py`: the tutorials' pages and their recorded outputs.
+pages = _load_tutorial_pages()
+
+
 def load_benchmark(name):
     """`benchmarks/<name>.py` as a module; benchmarks/ goes on `sys.path`."""
     here = os.path.join(REPO, "benchmarks")
