@@ -40,9 +40,10 @@ MODES = {
     "graph": dict(jit_compile=False),
     "jit": dict(jit_compile=True),
 }
-if keras.backend.backend() == "torch":
-    # Keras's PyTorch trainer runs `run_eagerly=True` and `jit_compile=False`
-    # alike (eagerly); "jit" runs the step under `torch.compile`.
+if keras.backend.backend() in ("jax", "torch"):
+    # Keras's JAX and PyTorch trainers (and their keepers) run
+    # `run_eagerly=True` and `jit_compile=False` alike, uncompiled; "jit"
+    # runs the step under `jax.jit` or `torch.compile`.
     del MODES["graph"]
 
 
