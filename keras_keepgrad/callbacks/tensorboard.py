@@ -185,6 +185,13 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self._iterations_at_begin = int(optimizer.iterations.numpy()) if self._count_skipped else 0
         traced = self.update_freq != "epoch"
         self._scalars = self._norm_writer()
+        self._nonfinite_steps = 0
+        self._nonfinite = panels.StepFunctionWriter(
+            self._train_writer,
+            panels.NONFINITE_TAG,
+            traced=traced,
+            description=panels.NONFINITE_DESCRIPTION,
+        )
         # The optimizer's scalars describe it now, not the kept step (which
         # under `keep_every` may be older): a writer of their own.
         optimizer_tags = []
@@ -201,13 +208,20 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self._histogram_step = None
 
     def _norm_writer(self):
-        """The writer of the norms of the layers `self._norms` reads."""
+        """The writer of the norms of the layers `self._norms` reads.
+
+        The global norm first, then the layers in forward order: the order
+        in which a run first writes its tags is the order of the lines in
+        the custom-scalars overview chart.
+        """
         layers = self._norms.layers
-        tags = [panels.layer_norm_tag(layer) for layer in layers]
-        tags += [panels.GLOBAL_NORM_TAG, panels.NONFINITE_TAG]
-        tags += panels.log10_norm_tags(layers) + [panels.LOG10_GLOBAL_TAG]
+        tags = [panels.GLOBAL_NORM_TAG] + [panels.layer_norm_tag(layer) for layer in layers]
+        descriptions = [panels.GLOBAL_NORM_DESCRIPTION]
+        descriptions += [panels.LAYER_NORM_DESCRIPTION] * len(layers)
         traced = self.update_freq != "epoch"
-        return panels.ScalarWriter(self._train_writer, tags, traced=traced)
+        return panels.ScalarWriter(
+            self._train_writer, tags, traced=traced, descriptions=descriptions
+        )
 
     def _follow_kept_layers(self, kept=None):
         """Once the step is traced, its kept layers are the panels' layers.
@@ -229,7 +243,9 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     def _scalar_writers(self):
         return [
-            w for w in (self._scalars, self._optimizer_scalars, self._batch_logs) if w is not None
+            w
+            for w in (self._scalars, self._nonfinite, self._optimizer_scalars, self._batch_logs)
+            if w is not None
         ]
 
     def _flush_scalars(self):
@@ -366,12 +382,16 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         norms = self._norms.read(self.model, self._logs)
         layer_norms = np.asarray(norms.layer_norms, np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):
-            logs = np.log10(np.append(layer_norms, norms.global_norm))
-        # A non-finite layer reads NaN in both views (its norm may be inf).
-        logs[:-1][norms.layer_nonfinite] = np.nan
-        values = list(layer_norms) + [norms.global_norm, float(norms.nonfinite)]
+            logs = np.log10(np.append(norms.global_norm, layer_norms))
+        # A non-finite layer (and the global norm) reads NaN, which
+        # TensorBoard marks with a triangle, where its norm may be inf.
+        logs[1:][norms.layer_nonfinite] = np.nan
+        if norms.nonfinite:
+            logs[0] = np.nan
+            self._nonfinite_steps += 1
         # A non-finite step is written at once: an error may end `fit` next.
-        self._scalars.write(step, values + list(logs), now=norms.nonfinite)
+        self._scalars.write(step, logs, now=norms.nonfinite)
+        self._nonfinite.add(step, self._nonfinite_steps, now=norms.nonfinite)
         self._heatmap.add(step, norms.layer_norms)
         if self._optimizer_scalars is not None:
             now = self._steps.step
