@@ -31,17 +31,21 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
     Writes everything `keras.callbacks.TensorBoard` writes, and under
     `log_dir/train`:
 
-    - `gradients/layer_norm/<layer>`: the L2 norm of each layer's gradients,
-      and `gradients/global_norm`, the norm over all of them; every
-      `update_freq` batches (with `"epoch"`: at each epoch end, from the
-      epoch's last batch), at the training-batch step.
-    - `log10_grad_norm/<NN>_<layer>` and `log10_grad_norm/global`: the same
-      norms as log10 (-6 reads 1e-6, where a linear value table shows 0),
-      `NN` the layer's position in forward order, so that TensorBoard's
-      alphabetical order is forward order. NaN at a non-finite step, which
-      TensorBoard's charts mark with a triangle.
-    - `gradients/nonfinite`: 1.0 where that step's gradients hold a NaN or
-      an infinity, else 0.0. Under a `keras.optimizers.LossScaleOptimizer`
+    - `gradients/log10_norm/<layer>`: log10 of the L2 norm of each
+      layer's gradients (-6 reads 1e-6, where a linear value table shows
+      0), the tag named by the layer's path alone, so that a layer has the
+      same tag in every run and model; and `gradients/log10_global_norm`,
+      log10 of the norm over all of them. Every `update_freq` batches (with
+      `"epoch"`: at each epoch end, from the epoch's last batch), at the
+      training-batch step. NaN at a non-finite step (the global norm, and
+      each layer whose gradients hold NaN or inf), which TensorBoard's
+      charts mark with a triangle; -inf for an all-zero gradient.
+    - `gradients/nonfinite_steps`: how many recorded steps of this `fit`
+      had NaN or inf gradients so far, as a step function: written at the
+      first recorded step, where it changes (and, if not yet written, at
+      the recorded step before, so that the line stays flat up to the
+      change) and at the last recorded step of each epoch, not as a stream
+      of zeros. Under a `keras.optimizers.LossScaleOptimizer`
       also `gradients/skipped_steps` (the steps it skipped since `fit`
       began) and `gradients/loss_scale`, written with the norms but
       describing the optimizer when they are written: at the current
@@ -67,10 +71,16 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
       and each layer's last norm on the right. At most 1024 columns, each
       the geometric mean of the same number of recorded steps (doubled as
       the run grows; the last column may hold fewer).
-    - A custom-scalars layout, "Gradient panels": the global log10 norm,
-      non-finite (and skipped) steps, and one chart per layer, titled with
-      its position and name; under a `LossScaleOptimizer` also a category
-      "Gradient panels: loss scale".
+    - A custom-scalars layout, "Gradient panels": one chart of the global
+      log10 norm and every layer's, in forward order (one y axis for all,
+      so a flat layer looks flat), then one of the non-finite (and
+      skipped) steps. Past 16 layers, a category "Gradient panels: layers
+      in forward order" adds charts of consecutive blocks of at most 16
+      layers, each with the global norm. Under a `LossScaleOptimizer` also
+      a category "Gradient panels: loss scale".
+
+    Each tag's summary metadata (with the description TensorBoard shows)
+    is written with its first value only.
 
     Frequent scalars (and Keras's own batch logs, same tags and steps) are
     written through one buffered writer: at most 1 s or 256 rows late, and
