@@ -38,11 +38,11 @@ if ROOT not in sys.path:
 # dashboards read theirs from the route.
 DASHBOARDS = {
     "tensorboard_time_series": (
-        "?forceSVG=true&smoothing=0&tagFilter=gradients%2Flog10_norm%2F#timeseries",
+        "?forceSVG=true&smoothing=0&tagFilter=gradients%2Flog10_norm%2Fdense_#timeseries",
         120000,
     ),
     "tensorboard_scalars": (
-        "#scalars&tagFilter=gradients%2Flog10_norm%2F&_smoothingWeight=0",
+        "#scalars&tagFilter=gradients%2Flog10_norm%2Fdense_&_smoothingWeight=0",
         20000,
     ),
     "tensorboard_custom_scalars": ("#custom_scalars&_smoothingWeight=0", 20000),
