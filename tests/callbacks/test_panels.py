@@ -51,30 +51,47 @@ def test_scalar_writer_buffers_rows_until_full_or_flushed(tmp_path):
     assert [v for _, v in b if np.isfinite(v)] == [2.0, 6.0, 8.0]
 
 
-def test_scalar_writer_writes_each_tags_metadata_once(tmp_path):
+def test_scalar_writer_writes_one_event_per_step_and_metadata_once(tmp_path):
     # TensorBoard keeps a tag's first metadata: later values carry none.
     from tensorboard.compat.proto import event_pb2
 
     writer = tf.summary.create_file_writer(str(tmp_path))
-    traced = panels.ScalarWriter(writer, ["a"], traced=True, descriptions=["what a is"])
+    traced = panels.ScalarWriter(
+        writer, ["a", "c"], traced=True, descriptions=["what a is", "what c is"]
+    )
     eager = panels.ScalarWriter(writer, ["b"], traced=False, descriptions=["what b is"])
     for step in (1, 2, 3):
-        traced.write(step, [float(step)])
+        traced.write(step, [float(step), 10.0 * step])
         eager.write(step, [-float(step)])
     traced.flush()
     writer.flush()
     (path,) = [p for p in tmp_path.iterdir()]
-    plugins = {}
-    for record in tf.data.TFRecordDataset(str(path)):
-        event = event_pb2.Event.FromString(record.numpy())
-        for value in event.summary.value:
-            plugins.setdefault(value.tag, []).append(value.metadata.plugin_data.plugin_name)
-    assert plugins == {"a": ["scalars", "", ""], "b": ["scalars", "", ""]}
+    events = [
+        event_pb2.Event.FromString(record.numpy()) for record in tf.data.TFRecordDataset(str(path))
+    ]
+    # One event per written row, holding its values in the tags' order.
+    rows = [
+        (e.step, [(v.tag, v.metadata.plugin_data.plugin_name) for v in e.summary.value])
+        for e in events
+        if e.HasField("summary")
+    ]
+    eager_rows = [(s, [("b", "scalars" if s == 1 else "")]) for s in (1, 2, 3)]
+    traced_rows = [
+        (s, [("a", "scalars" if s == 1 else ""), ("c", "scalars" if s == 1 else "")])
+        for s in (1, 2, 3)
+    ]
+    assert rows == eager_rows + traced_rows  # the traced rows wait for `flush`
     acc = read_run(str(tmp_path))
     assert scalars(acc, "a") == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    assert scalars(acc, "c") == [(1, 10.0), (2, 20.0), (3, 30.0)]
     assert scalars(acc, "b") == [(1, -1.0), (2, -2.0), (3, -3.0)]
     assert acc.SummaryMetadata("a").summary_description == "what a is"
+    assert acc.SummaryMetadata("c").summary_description == "what c is"
     assert acc.SummaryMetadata("b").plugin_data.plugin_name == "scalars"
+    # Each value is a float32 scalar, as `tf.summary.scalar` writes it.
+    (event,) = acc.Tensors("c")[:1]
+    assert event.tensor_proto.dtype == tf.float32.as_datatype_enum
+    assert event.tensor_proto.tensor_shape.dim == []
 
 
 def test_step_function_writer_writes_changes_and_holds_the_line(tmp_path):
