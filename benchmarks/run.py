@@ -475,7 +475,7 @@ def _check_written(log_dir):
 
     acc = event_accumulator.EventAccumulator(os.path.join(log_dir, "train"))
     acc.Reload()
-    if "gradients/global_norm" not in acc.Tags()["tensors"]:
+    if "gradients/log10_global_norm" not in acc.Tags()["tensors"]:
         raise RuntimeError(f"GradientTensorBoard wrote no gradient norms in {log_dir}")
 
 

@@ -38,10 +38,13 @@ if ROOT not in sys.path:
 # dashboards read theirs from the route.
 DASHBOARDS = {
     "tensorboard_time_series": (
-        "?forceSVG=true&smoothing=0&tagFilter=log10_grad_norm#timeseries",
+        "?forceSVG=true&smoothing=0&tagFilter=gradients%2Flog10_norm%2Fdense_#timeseries",
         120000,
     ),
-    "tensorboard_scalars": ("#scalars&tagFilter=log10_grad_norm&_smoothingWeight=0", 20000),
+    "tensorboard_scalars": (
+        "#scalars&tagFilter=gradients%2Flog10_norm%2Fdense_&_smoothingWeight=0",
+        20000,
+    ),
     "tensorboard_custom_scalars": ("#custom_scalars&_smoothingWeight=0", 20000),
     "tensorboard_histograms": ("#histograms&tagFilter=dense_0/", 20000),
 }
@@ -145,7 +148,7 @@ def serve(logdir, port, log_file):
             raise RuntimeError("tensorboard exited; see its log")
         try:
             with opener.open(f"http://127.0.0.1:{port}/data/plugin/scalars/tags", timeout=5) as r:
-                if b"log10_grad_norm" in r.read():
+                if b"gradients/log10_norm/" in r.read():
                     return server
         except OSError:
             pass

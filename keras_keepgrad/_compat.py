@@ -243,7 +243,7 @@ def tensor_version(tensor):
 
 
 def summary_ops():
-    """TensorFlow's generated summary ops, `write_summary` taking a writer handle.
+    """TensorFlow's generated summary ops, `write_raw_proto_summary` taking a writer handle.
 
     Written against Keras 3.15 and TensorFlow 2.21: `tf.summary` has no
     public op that writes into a writer resource passed as a tensor, which

@@ -581,20 +581,22 @@ def test_a_partly_kept_step_reaches_tensorboard_and_the_monitor(tmp_path):
     acc.Reload()
     gradient_tags = sorted(t for t in acc.Tags()["tensors"] if "grad" in t)
     assert gradient_tags == [
-        "gradients/global_norm",
         "gradients/heatmap",
-        "gradients/layer_norm/head",
-        "gradients/nonfinite",
+        "gradients/log10_global_norm",
+        "gradients/log10_norm/head",
+        "gradients/nonfinite_steps",
         "head/kernel/gradient",
-        "log10_grad_norm/00_head",
-        "log10_grad_norm/global",
     ]
-    for tag in ("gradients/layer_norm/head", "gradients/global_norm"):
+    for tag in ("gradients/log10_norm/head", "gradients/log10_global_norm"):
         (value,) = acc.Tensors(tag)
-        assert (value.step, float(tf.make_ndarray(value.tensor_proto))) == (1, 15.0)
+        assert (value.step, float(tf.make_ndarray(value.tensor_proto))) == (
+            1,
+            float(np.float32(np.log10(15.0))),
+        )
+    # The layout's block charts would name the body: one layer, no blocks.
     (config,) = acc.Tensors("custom_scalars__config__")
     layout = layout_pb2.Layout.FromString(tf.make_ndarray(config.tensor_proto).item())
-    assert [c.title for c in layout.category[0].chart][2:] == ["00 head: gradient norm, log10"]
+    assert [c.title for c in layout.category] == ["Gradient panels"]
 
 
 class Alternating(kg.KeepGradModel):
@@ -632,11 +634,14 @@ def test_steps_that_keep_different_layers_reach_tensorboard_each_as_kept(tmp_pat
     # loss = 2.5 a^2 b^2: d/da = 5 a b^2, d/db = 5 a^2 b. Step 1 at a = 1,
     # b = 3: 45 and 15, both applied (a = -3.5, b = 1.5). Step 2, a only:
     # 5 * -3.5 * 2.25 = -39.375.
-    assert written("gradients/layer_norm/a") == [(1, 45.0), (2, 39.375)]
-    assert written("gradients/layer_norm/b") == [(1, 15.0)]
-    assert written("gradients/global_norm") == [
-        (1, pytest.approx(np.hypot(45.0, 15.0), rel=1e-6)),
-        (2, 39.375),
+    def log10(value):
+        return float(np.float32(np.log10(value)))
+
+    assert written("gradients/log10_norm/a") == [(1, log10(45.0)), (2, log10(39.375))]
+    assert written("gradients/log10_norm/b") == [(1, log10(15.0))]
+    assert written("gradients/log10_global_norm") == [
+        (1, pytest.approx(np.log10(np.hypot(45.0, 15.0)), abs=1e-6)),
+        (2, log10(39.375)),
     ]
     assert len(acc.Tensors("gradients/heatmap")) == 1  # drawn, of the steps since the change
 
@@ -908,9 +913,9 @@ def test_a_gans_gradients_reach_tensorboard_and_the_monitor(tmp_path):
         str(tmp_path / "train"), size_guidance={event_accumulator.TENSORS: 0}
     )
     acc.Reload()
-    (event,) = acc.Tensors("gradients/global_norm")
-    # Both optimizers' gradients: sqrt(40^2 + 8.75^2).
+    (event,) = acc.Tensors("gradients/log10_global_norm")
+    # Both optimizers' gradients: sqrt(40^2 + 8.75^2), as log10.
     assert event.step == 1
     assert float(tf.make_ndarray(event.tensor_proto)) == pytest.approx(
-        np.hypot(40.0, 8.75), rel=1e-6
+        np.log10(np.hypot(40.0, 8.75)), abs=1e-6
     )

@@ -106,7 +106,7 @@ def test_tensorflow_pieces():
     with canary("collective_multi_worker"):
         assert not _compat.collective_multi_worker(tf.distribute.get_strategy())
     with canary("summary_ops"):
-        assert callable(_compat.summary_ops().write_summary)
+        assert callable(_compat.summary_ops().write_raw_proto_summary)
     graphs = []
 
     @tf.function

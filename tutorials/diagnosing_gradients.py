@@ -96,11 +96,13 @@ acc = EventAccumulator(os.path.join(LOGDIR, "sigmoid", "train"), size_guidance={
 acc.Reload()
 
 
-def last_value(tag):
-    return float(tf.make_ndarray(acc.Tensors(tag)[-1].tensor_proto))
+def last_norm(layer):
+    """The layer's last norm: the tags hold log10 of it."""
+    tag = "gradients/log10_norm/" + layer
+    return 10.0 ** float(tf.make_ndarray(acc.Tensors(tag)[-1].tensor_proto))
 
 
-first, last = last_value("gradients/layer_norm/dense_0"), last_value("gradients/layer_norm/out")
+first, last = last_norm("dense_0"), last_norm("out")
 print(f"dense_0: {first:.3e}   out: {last:.3e}   ratio {last / first:.0f}x")
 assert last / first > 1e3
 print(

@@ -31,17 +31,21 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
     Writes everything `keras.callbacks.TensorBoard` writes, and under
     `log_dir/train`:
 
-    - `gradients/layer_norm/<layer>`: the L2 norm of each layer's gradients,
-      and `gradients/global_norm`, the norm over all of them; every
-      `update_freq` batches (with `"epoch"`: at each epoch end, from the
-      epoch's last batch), at the training-batch step.
-    - `log10_grad_norm/<NN>_<layer>` and `log10_grad_norm/global`: the same
-      norms as log10 (-6 reads 1e-6, where a linear value table shows 0),
-      `NN` the layer's position in forward order, so that TensorBoard's
-      alphabetical order is forward order. NaN at a non-finite step, which
-      TensorBoard's charts mark with a triangle.
-    - `gradients/nonfinite`: 1.0 where that step's gradients hold a NaN or
-      an infinity, else 0.0. Under a `keras.optimizers.LossScaleOptimizer`
+    - `gradients/log10_norm/<layer>`: log10 of the L2 norm of each
+      layer's gradients (-6 reads 1e-6, where a linear value table shows
+      0), the tag named by the layer's path alone, so that a layer has the
+      same tag in every run and model; and `gradients/log10_global_norm`,
+      log10 of the norm over all of them. Every `update_freq` batches (with
+      `"epoch"`: at each epoch end, from the epoch's last batch), at the
+      training-batch step. NaN at a non-finite step (the global norm, and
+      each layer whose gradients hold NaN or inf), which TensorBoard's
+      charts mark with a triangle; -inf for an all-zero gradient.
+    - `gradients/nonfinite_steps`: how many recorded steps of this `fit`
+      had NaN or inf gradients so far, as a step function: written at the
+      first recorded step, where it changes (and, if not yet written, at
+      the recorded step before, so that the line stays flat up to the
+      change) and at the last recorded step of each epoch, not as a stream
+      of zeros. Under a `keras.optimizers.LossScaleOptimizer`
       also `gradients/skipped_steps` (the steps it skipped since `fit`
       began) and `gradients/loss_scale`, written with the norms but
       describing the optimizer when they are written: at the current
@@ -67,10 +71,16 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
       and each layer's last norm on the right. At most 1024 columns, each
       the geometric mean of the same number of recorded steps (doubled as
       the run grows; the last column may hold fewer).
-    - A custom-scalars layout, "Gradient panels": the global log10 norm,
-      non-finite (and skipped) steps, and one chart per layer, titled with
-      its position and name; under a `LossScaleOptimizer` also a category
-      "Gradient panels: loss scale".
+    - A custom-scalars layout, "Gradient panels": one chart of the global
+      log10 norm and every layer's, in forward order (one y axis for all,
+      so a flat layer looks flat), then one of the non-finite (and
+      skipped) steps. Past 16 layers, a category "Gradient panels: layers
+      in forward order" adds charts of consecutive blocks of at most 16
+      layers, each with the global norm. Under a `LossScaleOptimizer` also
+      a category "Gradient panels: loss scale".
+
+    Each tag's summary metadata (with the description TensorBoard shows)
+    is written with its first value only.
 
     Frequent scalars (and Keras's own batch logs, same tags and steps) are
     written through one buffered writer: at most 1 s or 256 rows late, and
@@ -185,6 +195,13 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self._iterations_at_begin = int(optimizer.iterations.numpy()) if self._count_skipped else 0
         traced = self.update_freq != "epoch"
         self._scalars = self._norm_writer()
+        self._nonfinite_steps = 0
+        self._nonfinite = panels.StepFunctionWriter(
+            self._train_writer,
+            panels.NONFINITE_TAG,
+            traced=traced,
+            description=panels.NONFINITE_DESCRIPTION,
+        )
         # The optimizer's scalars describe it now, not the kept step (which
         # under `keep_every` may be older): a writer of their own.
         optimizer_tags = []
@@ -201,13 +218,20 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self._histogram_step = None
 
     def _norm_writer(self):
-        """The writer of the norms of the layers `self._norms` reads."""
+        """The writer of the norms of the layers `self._norms` reads.
+
+        The global norm first, then the layers in forward order: the order
+        in which a run first writes its tags is the order of the lines in
+        the custom-scalars overview chart.
+        """
         layers = self._norms.layers
-        tags = [panels.layer_norm_tag(layer) for layer in layers]
-        tags += [panels.GLOBAL_NORM_TAG, panels.NONFINITE_TAG]
-        tags += panels.log10_norm_tags(layers) + [panels.LOG10_GLOBAL_TAG]
+        tags = [panels.GLOBAL_NORM_TAG] + [panels.layer_norm_tag(layer) for layer in layers]
+        descriptions = [panels.GLOBAL_NORM_DESCRIPTION]
+        descriptions += [panels.LAYER_NORM_DESCRIPTION] * len(layers)
         traced = self.update_freq != "epoch"
-        return panels.ScalarWriter(self._train_writer, tags, traced=traced)
+        return panels.ScalarWriter(
+            self._train_writer, tags, traced=traced, descriptions=descriptions
+        )
 
     def _follow_kept_layers(self, kept=None):
         """Once the step is traced, its kept layers are the panels' layers.
@@ -229,7 +253,9 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     def _scalar_writers(self):
         return [
-            w for w in (self._scalars, self._optimizer_scalars, self._batch_logs) if w is not None
+            w
+            for w in (self._scalars, self._nonfinite, self._optimizer_scalars, self._batch_logs)
+            if w is not None
         ]
 
     def _flush_scalars(self):
@@ -366,12 +392,16 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         norms = self._norms.read(self.model, self._logs)
         layer_norms = np.asarray(norms.layer_norms, np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):
-            logs = np.log10(np.append(layer_norms, norms.global_norm))
-        # A non-finite layer reads NaN in both views (its norm may be inf).
-        logs[:-1][norms.layer_nonfinite] = np.nan
-        values = list(layer_norms) + [norms.global_norm, float(norms.nonfinite)]
+            logs = np.log10(np.append(norms.global_norm, layer_norms))
+        # A non-finite layer (and the global norm) reads NaN, which
+        # TensorBoard marks with a triangle, where its norm may be inf.
+        logs[1:][norms.layer_nonfinite] = np.nan
+        if norms.nonfinite:
+            logs[0] = np.nan
+            self._nonfinite_steps += 1
         # A non-finite step is written at once: an error may end `fit` next.
-        self._scalars.write(step, values + list(logs), now=norms.nonfinite)
+        self._scalars.write(step, logs, now=norms.nonfinite)
+        self._nonfinite.add(step, self._nonfinite_steps, now=norms.nonfinite)
         self._heatmap.add(step, norms.layer_norms)
         if self._optimizer_scalars is not None:
             now = self._steps.step

@@ -666,11 +666,16 @@ def test_callbacks_read_every_step(tmp_path, dtype):
         str(tmp_path / "tb" / "train"), size_guidance={event_accumulator.TENSORS: 0}
     )
     acc.Reload()
-    norms = [
-        float(tensor_util.make_ndarray(e.tensor_proto))
-        for e in acc.Tensors("gradients/global_norm")
-    ]
-    assert norms == [15.0, 7.5, 3.75]
+
+    def written(tag):
+        return [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
+
+    # log10 of each norm, written once, as float32; the layer's tag is its path.
+    log10 = [(s, float(np.float32(np.log10(v)))) for s, v in [(1, 15.0), (2, 7.5), (3, 3.75)]]
+    assert written("gradients/log10_norm/dense_0") == log10
+    assert written("gradients/log10_global_norm") == log10
+    # No non-finite step: the count, 0, at the first step and the epoch's last.
+    assert written("gradients/nonfinite_steps") == [(1, 0.0), (3, 0.0)]
     # A histogram of each step's one value: its buckets span exactly it.
     histograms = [
         tensor_util.make_ndarray(e.tensor_proto) for e in acc.Tensors("dense_0/kernel/gradient")

@@ -29,6 +29,7 @@ from callback_helpers import two_layer_model
 from conftest import Recorder
 from conftest import free_ports
 
+import keras_keepgrad as kg
 from keras_keepgrad import callbacks
 from keras_keepgrad.callbacks import heatmap as heatmaps
 
@@ -55,30 +56,60 @@ def hand_run(tmp_path_factory):
     return log_dir, recorder
 
 
+def log10(*norms):
+    """log10 as the scalars hold it: float32."""
+    return [float(np.float32(np.log10(v))) for v in norms]
+
+
 def test_tensorboard_norms_are_the_kept_gradients_norms(hand_run):
     log_dir, recorder = hand_run
     acc = read_run(os.path.join(log_dir, "train"))
     kept = [float(g["dense_0/kernel"][0, 0]) for g in recorder.grads]
     assert kept == [15.0, 7.5, 3.75]
-    expected = [(1, 15.0), (2, 7.5), (3, 3.75)]
-    assert scalars(acc, "gradients/layer_norm/dense_0") == expected
-    assert scalars(acc, "gradients/global_norm") == expected
-    assert scalars(acc, "gradients/nonfinite") == [(1, 0.0), (2, 0.0), (3, 0.0)]
-    # Keras's own batch metrics are still written, at the same steps.
-    assert [e.step for e in acc.Tensors("batch_loss")] == [1, 2, 3]
-    # No loss-scale panels without a LossScaleOptimizer.
-    assert "gradients/loss_scale" not in acc.Tags()["tensors"]
-
-
-def test_tensorboard_log10_norms_in_forward_order(hand_run):
-    log_dir, _ = hand_run
-    acc = read_run(os.path.join(log_dir, "train"))
-    # log10 of the norms 15, 7.5, 3.75, as float32 like every scalar.
-    expected = [
-        (step, float(np.float32(np.log10(v)))) for step, v in [(1, 15.0), (2, 7.5), (3, 3.75)]
+    # log10 of the norms 15, 7.5, 3.75, each written once.
+    expected = list(zip([1, 2, 3], log10(15.0, 7.5, 3.75)))
+    assert scalars(acc, "gradients/log10_norm/dense_0") == expected
+    assert scalars(acc, "gradients/log10_global_norm") == expected
+    # No non-finite step: 0 at the first step and at the epoch's last.
+    assert scalars(acc, "gradients/nonfinite_steps") == [(1, 0.0), (3, 0.0)]
+    # Each number once: these, the heatmap and Keras's batch metrics (at
+    # the same steps), nothing else.
+    assert sorted(t for t in acc.Tags()["tensors"] if t.startswith("gradients/")) == [
+        "gradients/heatmap",
+        "gradients/log10_global_norm",
+        "gradients/log10_norm/dense_0",
+        "gradients/nonfinite_steps",
     ]
-    assert scalars(acc, "log10_grad_norm/00_dense_0") == expected
-    assert scalars(acc, "log10_grad_norm/global") == expected
+    assert [e.step for e in acc.Tensors("batch_loss")] == [1, 2, 3]
+    # The descriptions TensorBoard shows beside the charts.
+    description = acc.SummaryMetadata("gradients/log10_norm/dense_0").summary_description
+    assert description.startswith("log10 of the L2 norm of this layer's gradients")
+
+
+def test_tensorboard_per_layer_tags_do_not_depend_on_the_model(tmp_path):
+    # The same layer name, first or second in forward order: the same tag.
+    first, second = two_layer_model(), two_layer_model(names=("dense_a", "dense_0"))
+    x, y = np.ones((2, 2), np.float32), np.zeros((2, 1), np.float32)
+    for name, model in [("first", first), ("second", second)]:
+        model.fit(
+            x,
+            y,
+            batch_size=2,
+            verbose=0,
+            callbacks=[callbacks.GradientTensorBoard(tmp_path / name, update_freq=1)],
+        )
+    tags = {
+        name: [
+            t
+            for t in read_run(str(tmp_path / name / "train")).Tags()["tensors"]
+            if t.startswith("gradients/log10_norm/")
+        ]
+        for name in ("first", "second")
+    }
+    assert tags == {
+        "first": ["gradients/log10_norm/dense_0", "gradients/log10_norm/dense_1"],
+        "second": ["gradients/log10_norm/dense_a", "gradients/log10_norm/dense_0"],
+    }
 
 
 def test_tensorboard_histograms_sit_beside_the_weights(hand_run):
@@ -144,9 +175,12 @@ def test_tensorboard_marks_nonfinite_steps_and_histogram_slices(tmp_path):
         ],
     )
     acc = read_run(os.path.join(log_dir, "train"))
-    assert scalars(acc, "gradients/nonfinite") == [(1, 0.0), (2, 1.0), (3, 1.0)]
-    log10 = scalars(acc, "log10_grad_norm/01_dense_1")
-    assert np.isfinite(log10[0][1]) and np.isnan(log10[1][1]) and np.isnan(log10[2][1])
+    # Steps 2 and 3 are non-finite: the count goes 0, 1, 2.
+    assert scalars(acc, "gradients/nonfinite_steps") == [(1, 0.0), (2, 1.0), (3, 2.0)]
+    for tag in ("gradients/log10_norm/dense_1", "gradients/log10_global_norm"):
+        written = scalars(acc, tag)
+        assert [s for s, _ in written] == [1, 2, 3]
+        assert np.isfinite(written[0][1]) and np.isnan(written[1][1]) and np.isnan(written[2][1])
     # dense_0's kernel gradient at step 2: 2x3 entries, every one NaN or
     # inf (an inf input times a finite error is inf, NaN where they meet).
     # Its histogram slice holds no value; the companion counts all 6.
@@ -175,15 +209,57 @@ def test_tensorboard_layout_groups_the_gradient_panels(hand_run):
     acc = read_run(os.path.join(log_dir, "train"))
     (event,) = acc.Tensors("custom_scalars__config__")
     layout = layout_pb2.Layout.FromString(tf.make_ndarray(event.tensor_proto).item())
-    # No loss-scale category without a LossScaleOptimizer.
+    # No loss-scale category without a LossScaleOptimizer, no blocks for
+    # one layer. The overview picks the layers by prefix: the same chart
+    # in every run.
     (category,) = layout.category
     assert category.title == "Gradient panels"
-    charts = {c.title: list(c.multiline.tag) for c in category.chart}
-    assert charts == {
-        "Global gradient norm, log10": ["^log10_grad_norm/global$"],
-        "Non-finite steps (1: NaN or inf)": ["^gradients/nonfinite$"],
-        "00 dense_0: gradient norm, log10": ["^log10_grad_norm/00_dense_0$"],
-    }
+    charts = [(c.title, list(c.multiline.tag)) for c in category.chart]
+    assert charts == [
+        (
+            "Gradient norm, log10: global, then each layer in forward order",
+            ["^gradients/log10_global_norm$", "^gradients/log10_norm/"],
+        ),
+        ("Non-finite steps so far", ["^gradients/nonfinite_steps$"]),
+    ]
+
+
+def test_tensorboard_layout_blocks_of_many_layers(tmp_path):
+    # 20 one-unit Dense layers, d00 to d19: blocks of 10 after the overview.
+    inputs = keras.Input((1,))
+    h = inputs
+    for i in range(20):
+        h = keras.layers.Dense(1, name=f"d{i:02d}")(h)
+    model = kg.KeepGradModel(inputs, h)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    model.fit(
+        np.ones((2, 1)),
+        np.zeros((2, 1)),
+        verbose=0,
+        callbacks=[callbacks.GradientTensorBoard(tmp_path, write_heatmap=False)],
+    )
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    acc = read_run(str(tmp_path / "train"))
+    (event,) = acc.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(tf.make_ndarray(event.tensor_proto).item())
+    assert [c.title for c in layout.category] == [
+        "Gradient panels",
+        "Gradient panels: layers in forward order",
+    ]
+    blocks = [(c.title, list(c.multiline.tag)) for c in layout.category[1].chart]
+    assert [title for title, _ in blocks] == [
+        "Layers 1-10 of 20: d00 to d09, log10 norm",
+        "Layers 11-20 of 20: d10 to d19, log10 norm",
+    ]
+    # Each block: the global norm for reference, then its layers in order.
+    assert blocks[1][1] == ["^gradients/log10_global_norm$"] + [
+        f"^gradients/log10_norm/d{i}$" for i in range(10, 20)
+    ]
+    # The run's first write puts the overview's lines in forward order.
+    assert [t for t in acc.Tags()["tensors"] if "log10" in t] == ["gradients/log10_global_norm"] + [
+        f"gradients/log10_norm/d{i:02d}" for i in range(20)
+    ]
 
 
 def test_tensorboard_heatmap_is_a_labelled_figure(hand_run):
@@ -247,7 +323,7 @@ def test_tensorboard_server_serves_the_gradient_panels(hand_run, tmp_path):
     try:
         deadline = time.monotonic() + 60
         scalar_tags = {}
-        while "gradients/global_norm" not in scalar_tags.get("train", {}):
+        while "gradients/log10_global_norm" not in scalar_tags.get("train", {}):
             assert server.poll() is None, (tmp_path / "tensorboard.log").read_text()
             assert time.monotonic() < deadline, "TensorBoard did not serve the logs"
             time.sleep(0.5)
@@ -256,11 +332,9 @@ def test_tensorboard_server_serves_the_gradient_panels(hand_run, tmp_path):
             except OSError:
                 pass
         assert {
-            "gradients/layer_norm/dense_0",
-            "gradients/global_norm",
-            "gradients/nonfinite",
-            "log10_grad_norm/00_dense_0",
-            "log10_grad_norm/global",
+            "gradients/log10_norm/dense_0",
+            "gradients/log10_global_norm",
+            "gradients/nonfinite_steps",
         } <= set(scalar_tags["train"])
         histogram_tags = get("/data/plugin/histograms/tags")
         assert {"dense_0/kernel/gradient", "dense_0/kernel/histogram"} <= set(
@@ -269,14 +343,19 @@ def test_tensorboard_server_serves_the_gradient_panels(hand_run, tmp_path):
         layout = get("/data/plugin/custom_scalars/layout")
         (category,) = layout["category"]
         assert category["title"] == "Gradient panels"
-        per_layer = category["chart"][2]["multiline"]["tag"][0]
-        # The layer's panel picks exactly its log10 norm.
+        # The overview chart's patterns, joined as TensorBoard's page joins
+        # them: the global norm, then the layers, in the order written.
+        patterns = category["chart"][0]["multiline"]["tag"]
+        joined = "|".join(f"({p})" for p in patterns)
         matched = get(
-            "/data/plugin/custom_scalars/scalars?run=train&tag=" + urllib.request.quote(per_layer)
+            "/data/plugin/custom_scalars/scalars?run=train&tag=" + urllib.request.quote(joined)
         )
-        assert list(matched["tag_to_events"]) == ["log10_grad_norm/00_dense_0"]
-        values = [e[2] for e in matched["tag_to_events"]["log10_grad_norm/00_dense_0"]]
-        assert values == [float(np.float32(np.log10(v))) for v in (15.0, 7.5, 3.75)]
+        assert list(matched["tag_to_events"]) == [
+            "gradients/log10_global_norm",
+            "gradients/log10_norm/dense_0",
+        ]
+        values = [e[2] for e in matched["tag_to_events"]["gradients/log10_norm/dense_0"]]
+        assert values == log10(15.0, 7.5, 3.75)
     finally:
         server.terminate()
         try:
@@ -316,13 +395,20 @@ def test_tensorboard_steps_per_execution_validation_and_epoch_freq(tmp_path):
     for name, steps in [("every_2", [2, 4, 7, 9, 10]), ("per_epoch", [5, 10])]:
         acc = read_run(str(tmp_path / name / "train"))
         for layer in ("dense_0", "dense_1"):
-            written = scalars(acc, f"gradients/layer_norm/{layer}")
+            written = scalars(acc, f"gradients/log10_norm/{layer}")
             assert [s for s, _ in written] == steps
             np.testing.assert_allclose(
-                [v for _, v in written], [reference[s][layer] for s in steps], rtol=1e-6
+                [v for _, v in written], np.log10([reference[s][layer] for s in steps]), rtol=1e-6
             )
-        written = scalars(acc, "gradients/global_norm")
-        np.testing.assert_allclose([v for _, v in written], [globals_[s] for s in steps], rtol=1e-6)
+        written = scalars(acc, "gradients/log10_global_norm")
+        assert [s for s, _ in written] == steps
+        np.testing.assert_allclose(
+            [v for _, v in written], np.log10([globals_[s] for s in steps]), rtol=1e-6
+        )
+        # Finite throughout: 0 at the first recorded step and at each
+        # epoch's last recorded one (every_2: 4 and 10).
+        held = {"every_2": [2, 4, 10], "per_epoch": [5, 10]}[name]
+        assert scalars(acc, "gradients/nonfinite_steps") == [(s, 0.0) for s in held]
         # Keras's validation run is still there.
         val = read_run(str(tmp_path / name / "validation"))
         assert [e.step for e in val.Tensors("epoch_loss")] == [0, 1]
@@ -355,14 +441,14 @@ def test_mixed_precision_skipped_step_panels_and_snapshot(tmp_path, mixed_float1
         ],
     )
     acc = read_run(str(tmp_path / "logs" / "train"))
-    norms = scalars(acc, "gradients/global_norm")
-    assert norms[0] == (1, 15.0) and norms[2] == (3, 7.5) and np.isnan(norms[1][1])
-    assert scalars(acc, "gradients/nonfinite") == [(1, 0.0), (2, 1.0), (3, 0.0)]
+    # The NaN step's log10 norms are NaN (TensorBoard marks them).
+    for tag in ("gradients/log10_global_norm", "gradients/log10_norm/dense_0"):
+        norms = scalars(acc, tag)
+        assert [norms[0], norms[2]] == list(zip([1, 3], log10(15.0, 7.5)))
+        assert norms[1][0] == 2 and np.isnan(norms[1][1])
+    assert scalars(acc, "gradients/nonfinite_steps") == [(1, 0.0), (2, 1.0), (3, 1.0)]
     assert scalars(acc, "gradients/skipped_steps") == [(1, 0.0), (2, 1.0), (3, 1.0)]
     assert scalars(acc, "gradients/loss_scale") == [(1, 8.0), (2, 4.0), (3, 4.0)]
-    # The NaN step's log10 norms are NaN (TensorBoard marks them).
-    log10 = scalars(acc, "log10_grad_norm/00_dense_0")
-    assert log10[0] == (1, float(np.float32(np.log10(15.0)))) and np.isnan(log10[1][1])
     # The loss scale has its own category, only in this run's layout.
     from tensorboard.plugins.custom_scalar import layout_pb2
 
@@ -372,8 +458,8 @@ def test_mixed_precision_skipped_step_panels_and_snapshot(tmp_path, mixed_float1
     (chart,) = layout.category[1].chart
     assert list(chart.multiline.tag) == ["^gradients/loss_scale$"]
     skipped = {c.title: list(c.multiline.tag) for c in layout.category[0].chart}
-    assert skipped["Non-finite steps (1: NaN or inf) and steps skipped by the loss scale"] == [
-        "^gradients/nonfinite$",
+    assert skipped["Non-finite steps so far, and steps skipped by the loss scale"] == [
+        "^gradients/nonfinite_steps$",
         "^gradients/skipped_steps$",
     ]
     loaded = [np.load(f) for f in snapshot.files]
@@ -396,8 +482,8 @@ def test_keep_every_optimizer_scalars_sit_at_the_current_step(tmp_path):
     board = callbacks.GradientTensorBoard(tmp_path / "logs", update_freq=5)
     model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[board])
     acc = read_run(str(tmp_path / "logs" / "train"))
-    assert scalars(acc, "gradients/global_norm") == [(4, 15.0), (10, 15.0)]
-    assert scalars(acc, "gradients/nonfinite") == [(4, 0.0), (10, 0.0)]
+    assert scalars(acc, "gradients/log10_global_norm") == list(zip([4, 10], log10(15.0, 15.0)))
+    assert scalars(acc, "gradients/nonfinite_steps") == [(4, 0.0), (10, 0.0)]
     assert scalars(acc, "gradients/skipped_steps") == [(5, 1.0), (10, 1.0)]
     assert scalars(acc, "gradients/loss_scale") == [(5, 4.0), (10, 4.0)]
 
@@ -424,5 +510,5 @@ def test_buffered_scalars_are_written_before_the_monitor_raises(tmp_path, board_
     board._train_writer.flush()
     acc = read_run(os.path.join(log_dir, "train"))
     steps = [1, 2] if board_first else [1]
-    assert scalars(acc, "gradients/nonfinite") == [(1, 0.0), (2, 1.0)][: len(steps)]
+    assert scalars(acc, "gradients/nonfinite_steps") == [(1, 0.0), (2, 1.0)][: len(steps)]
     assert [e.step for e in acc.Tensors("batch_loss")] == steps
