@@ -1,10 +1,10 @@
 """Callbacks that read the kept gradients: TensorBoard panels, alarms, files.
 
-All three read the kept gradients between training steps (never inside
+All four read the kept gradients between training steps (never inside
 `train_step`: a `tf.summary` call traced into the step function would
 freeze its step and `record_if` at trace time), so they need a model that
 keeps gradients (`KeepGradModel` or `keep_gradients(model)`). For norms,
-`GradientTensorBoard` and `GradientMonitor` read statistics the training
+`GradientTensorBoard`, `GradientMonitor` and `GradientReport` read statistics the training
 step computed once (each variable's sum of squares, one small vector;
 they ask for it when Keras hands them the model, before `fit` makes the
 training function), and the gradients themselves only for histograms,
@@ -36,8 +36,18 @@ component (`"dense_0/kernel"` and `"dense_0/bias"` make layer `"dense_0"`;
 functional models.
 """
 
+from keras_keepgrad.callbacks._health import EXPLODING_THRESHOLD
+from keras_keepgrad.callbacks._health import VANISHING_THRESHOLD
 from keras_keepgrad.callbacks.monitor import GradientMonitor
+from keras_keepgrad.callbacks.report import GradientReport
 from keras_keepgrad.callbacks.snapshot import GradientSnapshot
 from keras_keepgrad.callbacks.tensorboard import GradientTensorBoard
 
-__all__ = ["GradientMonitor", "GradientSnapshot", "GradientTensorBoard"]
+__all__ = [
+    "EXPLODING_THRESHOLD",
+    "VANISHING_THRESHOLD",
+    "GradientMonitor",
+    "GradientReport",
+    "GradientSnapshot",
+    "GradientTensorBoard",
+]
