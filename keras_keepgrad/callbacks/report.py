@@ -346,8 +346,18 @@ def render_figure(rows, title, subtitle):
     axes.set_yticklabels(names, fontsize=10)
     axes.set_xlabel("gradient L2 norm: range (bar), mean (dot), last step (tick)", fontsize=10)
     axes.grid(axis="x", color="#dddddd", linewidth=0.6, zorder=0)
-    axes.text(vanishing, -0.6, " vanishing", fontsize=9, color="#0b5cad", ha="right", va="bottom")
-    axes.text(exploding, -0.6, "exploding ", fontsize=9, color="#c2410c", ha="left", va="bottom")
+    # The zones' names inside them, along the bottom edge.
+    for x, name, align in ((10.0**low, "vanishing", "left"), (10.0**high, "exploding", "right")):
+        axes.text(
+            x,
+            0.01,
+            f" {name} ",
+            transform=axes.get_xaxis_transform(),
+            fontsize=9,
+            color=_VERDICT_COLORS[name],
+            ha=align,
+            va="bottom",
+        )
     figure.text(0.01, 1.0 - 0.12 / height, title, fontsize=13, fontweight="bold", va="top")
     figure.text(0.01, 1.0 - 0.42 / height, subtitle, fontsize=9.5, color="#444444", va="top")
     return figure
