@@ -30,6 +30,11 @@ def fit(model, scales, callbacks):
     model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=callbacks)
 
 
+def monitor_messages(caught):
+    # Backends warn of their own things too (PyTorch of NumPy's `copy`).
+    return [str(w.message) for w in caught if str(w.message).startswith("GradientMonitor")]
+
+
 def report_values_by_hand(tmp_path, capsys):
     model = one_weight()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
@@ -97,7 +102,7 @@ def monitor_defaults_catch_vanishing_and_exploding():
         ("vanishing", 10, 1),
         ("exploding", 11, 11),
     ]
-    assert "summary of steps 1-11" in str(caught[-1].message)
+    assert "summary of steps 1-11" in monitor_messages(caught)[-1]
 
 
 def monitor_reports_a_state_once_with_its_end():
@@ -127,7 +132,7 @@ def monitor_reports_a_state_once_with_its_end():
         }
     ]
     assert monitor.summary() == "'dense_0' vanishing: steps 1-7 (6 checks)"
-    messages = [str(w.message) for w in caught]
+    messages = monitor_messages(caught)
     assert len(messages) == 3 and messages[2].endswith("steps 1-7 (6 checks)")
 
 
