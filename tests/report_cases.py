@@ -70,7 +70,12 @@ def report_values_by_hand(tmp_path, capsys):
     assert (width, height) == (1100, 170)
     page = (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
     assert page.startswith("<!DOCTYPE html>") and "<script" not in page and "http" not in page
-    assert '<td class="layer">dense_0</td><td>8.750e+00</td><td>3.750e+00</td>' in page
+    assert '<td class="layer">dense_0</td><td class="verdict" style="color:#1a7f37">ok</td>' in page
+    numbers = ["8.750e+00", "3.750e+00", "1.500e+01", "3.750e+00", "0", "0/3"]
+    assert "</svg></td>" + "".join(f"<td>{n}</td>" for n in numbers) + "</tr>" in page
+    # The mean's dot on the 200-pixel scale 1e-8 .. 1e4: (log10(8.75) + 8) / 12
+    # * 200 = 149.03.
+    assert '<circle cx="149.0" cy="8.0"' in page
     assert '<span style="background:#1a7f37">1 ok</span>' in page
 
 

@@ -346,6 +346,8 @@ def render_figure(rows, title, subtitle):
     axes.set_yticklabels(names, fontsize=10)
     axes.set_xlabel("gradient L2 norm: range (bar), mean (dot), last step (tick)", fontsize=10)
     axes.grid(axis="x", color="#dddddd", linewidth=0.6, zorder=0)
+    if n > 20:  # a tall figure: the scale at its top too
+        axes.tick_params(axis="x", top=True, labeltop=True)
     # The zones' names inside them, along the bottom edge.
     for x, name, align in ((10.0**low, "vanishing", "left"), (10.0**high, "exploding", "right")):
         axes.text(
@@ -363,7 +365,7 @@ def render_figure(rows, title, subtitle):
     return figure
 
 
-def _range_svg(row, width=240, height=16):
+def _range_svg(row, width=200, height=16):
     """An inline SVG of a row's norms on the fixed log10 scale."""
     low, high = _health.LOG10_RANGE
     color = _VERDICT_COLORS[row["verdict"]]
@@ -399,13 +401,13 @@ h1{font-size:20px;margin:0 0 4px}p.sub{color:#57606a;margin:0 0 12px;font-size:1
 .counts span{display:inline-block;margin:0 8px 12px 0;padding:3px 10px;border-radius:12px;
 color:#fff;font-size:13px;font-weight:600}
 table{border-collapse:collapse;font-size:13px}
-th{text-align:right;border-bottom:2px solid #d0d7de;padding:4px 10px;white-space:nowrap}
-td{text-align:right;padding:3px 10px;border-bottom:1px solid #eaeef2;white-space:nowrap;
+th{text-align:right;border-bottom:2px solid #d0d7de;padding:4px 8px;white-space:nowrap}
+td{text-align:right;padding:3px 8px;border-bottom:1px solid #eaeef2;white-space:nowrap;
 font-variant-numeric:tabular-nums}
 td.layer,th.layer{text-align:left;font-family:ui-monospace,Menlo,Consolas,monospace}
 tr.vanishing td{background:#f1f7fd}tr.exploding td{background:#fff4ee}
 tr.non-finite td{background:#fdeeee}
-.verdict{font-weight:700}.scale{font-size:11px;color:#57606a}
+td.verdict,th.verdict{text-align:left;font-weight:700}.scale{font-size:11px;color:#57606a}
 """
 
 
@@ -420,13 +422,12 @@ def render_html(rows, title, subtitle):
         for verdict, color in _VERDICT_COLORS.items()
         if verdict in counts
     )
-    head = "".join(
-        f'<th class="{"layer" if column == "layer" else ""}">{html.escape(column)}</th>'
-        for column in ("#",) + _COLUMNS[:-1]
-    )
-    head += (
+    # The verdict and the picture first: a wide page still shows them.
+    head = (
+        '<th>#</th><th class="layer">layer</th><th class="verdict">verdict</th>'
         f'<th>norms on a log scale<br><span class="scale">1e{low:g} \u2026 1e{high:g}; '
-        f"shaded: vanishing, exploding</span></th><th>verdict</th>"
+        "shaded: vanishing, exploding</span></th>"
+        + "".join(f"<th>{html.escape(column)}</th>" for column in _COLUMNS[1:7])
     )
     body = []
     for i, row in enumerate(rows):
@@ -435,9 +436,10 @@ def render_html(rows, title, subtitle):
         body.append(
             f'<tr class="{row["verdict"]}"><td>{i}</td>'
             f'<td class="layer">{html.escape(cells[0])}</td>'
+            f'<td class="verdict" style="color:{color}">{html.escape(row["verdict"])}</td>'
+            f"<td>{_range_svg(row)}</td>"
             + "".join(f"<td>{html.escape(c)}</td>" for c in cells[1:7])
-            + f"<td>{_range_svg(row)}</td>"
-            f'<td class="verdict" style="color:{color}">{html.escape(row["verdict"])}</td></tr>'
+            + "</tr>"
         )
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
