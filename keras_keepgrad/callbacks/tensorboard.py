@@ -60,11 +60,12 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
       takes about 0.1 s, so in a `fit` of many short epochs only while that
       stays under 2% of the training time, and always at the last epoch or
       when `fit` stops early), a figure of log10 layer norms: layers (rows, forward order, named) by
-      training step, for the whole run so far, with a color bar over the
-      5th to 95th percentile of the norms (a short spike cannot wash out
-      the rest; beyond are the end colors), zero black and NaN/inf red
-      (named in its legend), a dashed line at the first non-finite step,
-      and each layer's last norm on the right. At most 1024 columns, each
+      training step, for the whole run so far, on one fixed log10 color
+      scale for every run (1e-8 to 1e4; beyond it the end colors, hatched),
+      the vanishing and exploding thresholds marked on the color bar, zero
+      black and NaN/inf red (named in its legend), a dashed line at the
+      first non-finite step, and the named layers' last norms on the right;
+      1200 x 446 pixels, readable at TensorBoard's default image size. At most 1024 columns, each
       the geometric mean of the same number of recorded steps (doubled as
       the run grows; the last column may hold fewer).
     - A custom-scalars layout, "Gradient panels": the global log10 norm,
