@@ -42,11 +42,19 @@ HEATMAP_DESCRIPTION = (
 
 HISTOGRAM_SUFFIX = "/gradient"
 NONFINITE_HISTOGRAM_SUFFIX = "/gradient_nonfinite"
+LOG10_HISTOGRAM_SUFFIX = "/gradient_log10_abs"
 
 HISTOGRAM_DESCRIPTION = (
     "The finite entries of this variable's kept gradient, beside the "
     "variable's weights (`.../histogram`). A step whose entries were all "
     "NaN or inf has no values here: see `.../gradient_nonfinite`."
+)
+LOG10_HISTOGRAM_DESCRIPTION = (
+    "log10 of the magnitude of this variable's finite, non-zero gradient "
+    "entries: -6 reads 1e-6. Where `.../gradient` spans a tiny range (a "
+    "vanishing layer's entries of about 1e-7), TensorBoard labels its axis "
+    "with long fixed-point numbers that overlap; here the axis reads in "
+    "decades, comparable with the heatmap and the log10_grad_norm charts."
 )
 NONFINITE_HISTOGRAM_DESCRIPTION = (
     "Written only at the steps where this variable's gradient held NaN or "
@@ -74,6 +82,10 @@ def histogram_tag(path):
 
 def nonfinite_histogram_tag(path):
     return path + NONFINITE_HISTOGRAM_SUFFIX
+
+
+def log10_histogram_tag(path):
+    return path + LOG10_HISTOGRAM_SUFFIX
 
 
 def log10_norm_tags(layers):

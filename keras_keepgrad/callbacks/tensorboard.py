@@ -54,7 +54,11 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
       every N training batches, at the batch step. Where the gradient held
       NaN or inf, also `<variable path>/gradient_nonfinite`: -1 per -inf
       entry, 0 per NaN, +1 per +inf (an all-non-finite step leaves the
-      gradient slice empty; this marks it).
+      gradient slice empty; this marks it). Beside them,
+      `<variable path>/gradient_log10_abs`: histograms of log10 of the
+      magnitude of the finite, non-zero entries (a vanishing layer's
+      gradient of about 1e-7 reads -7, where TensorBoard's labels of its
+      tiny linear range overlap).
     - `gradients/heatmap`: at each epoch end once a step was recorded
       (with an integer `update_freq`, not before that many steps; drawing
       takes about 0.1 s, so in a `fit` of many short epochs only while that
@@ -403,11 +407,21 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
                 values = tf.reshape(grad, [-1])
                 finite = tf.math.is_finite(values)
                 all_finite = bool(tf.reduce_all(finite))
+                finite_values = values if all_finite else tf.boolean_mask(values, finite)
                 tf.summary.histogram(
                     panels.histogram_tag(path),
-                    values if all_finite else tf.boolean_mask(values, finite),
+                    finite_values,
                     step=step,
                     description=panels.HISTOGRAM_DESCRIPTION,
+                )
+                # The same entries by magnitude, in decades: TensorBoard's
+                # axis labels of a tiny linear range overlap.
+                magnitudes = tf.abs(tf.cast(finite_values, tf.float64))
+                tf.summary.histogram(
+                    panels.log10_histogram_tag(path),
+                    tf.math.log(tf.boolean_mask(magnitudes, magnitudes > 0)) / np.log(10.0),
+                    step=step,
+                    description=panels.LOG10_HISTOGRAM_DESCRIPTION,
                 )
                 if not all_finite:
                     tf.summary.histogram(

@@ -90,6 +90,12 @@ def test_tensorboard_histograms_sit_beside_the_weights(hand_run):
     buckets = tf.make_ndarray(event.tensor_proto)  # [left, right, count]
     assert buckets[:, 2].sum() == 1.0
     assert buckets[:, 0].min() == 3.75 and buckets[:, 1].max() == 3.75
+    # By magnitude, in decades: log10(3.75) = 0.574.
+    (event,) = acc.Tensors("dense_0/kernel/gradient_log10_abs")
+    buckets = tf.make_ndarray(event.tensor_proto)
+    assert buckets[:, 2].sum() == 1.0
+    assert buckets[:, 0].min() == buckets[:, 1].max()
+    assert buckets[:, 0].min() == pytest.approx(np.log10(3.75), rel=1e-12)
     # All finite: no non-finite companion.
     assert "dense_0/kernel/gradient_nonfinite" not in tags
     assert not [t for t in tags if t.startswith("gradients/histogram/")]
