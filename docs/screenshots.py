@@ -46,8 +46,8 @@ DASHBOARDS = {
     ),
     "tensorboard_scalars": ("#scalars&tagFilter=log10_grad_norm&_smoothingWeight=0", 20000),
     "tensorboard_custom_scalars": ("#custom_scalars&_smoothingWeight=0", 20000),
-    "tensorboard_histograms": ("#histograms&tagFilter=dense_0/", 20000),
-    "tensorboard_images": ("?tagFilter=heatmap#timeseries", 30000),
+    "tensorboard_histograms": ("#histograms&tagFilter=dense_0/kernel/gradient", 20000),
+    "tensorboard_images": ("?forceSVG=true&tagFilter=heatmap#timeseries", 30000),
 }
 # GradientReport's pages (the demo writes them): file name -> Chromium's window.
 REPORT_PAGE = ("sigmoid_report.html", "report_html", 1200, 420)
