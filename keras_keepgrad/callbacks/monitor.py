@@ -197,6 +197,7 @@ class GradientMonitor(keras.callbacks.Callback):
         self._below = np.zeros(n_layers, np.int64)  # checks in a row below
         self._since = np.zeros(n_layers, np.int64)  # first step of that run
         self._vanishing = [None] * n_layers  # each layer's open state
+        self._vanishing_open = np.zeros(n_layers, bool)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._steps.begin_epoch(epoch)
@@ -267,22 +268,24 @@ class GradientMonitor(keras.callbacks.Callback):
         low = np.isfinite(values) & (values < self.vanishing_threshold)
         self._since = np.where(low & (self._below == 0), self._step, self._since)
         self._below = np.where(low, self._below + 1, 0)
-        new = []
+        is_open = self._vanishing_open
         ended = []
-        for i, state in enumerate(self._vanishing):
-            if state is not None:
-                if low[i]:
-                    state["until"] = self._step
-                    state["checks"] += 1
-                    state["_clear"] = 0
-                else:
-                    state["_clear"] += 1
-                    if state["_clear"] >= self.recovery_steps:
-                        ended.append(i)
-            elif self._below[i] >= self.vanishing_steps:
-                new.append(i)
+        # Python only for the layers in a state: a check stays a few array
+        # operations on a model of many healthy layers.
+        for i in np.flatnonzero(is_open):
+            state = self._vanishing[i]
+            if low[i]:
+                state["until"] = self._step
+                state["checks"] += 1
+                state["_clear"] = 0
+            else:
+                state["_clear"] += 1
+                if state["_clear"] >= self.recovery_steps:
+                    ended.append(i)
+        new = np.flatnonzero(~is_open & (self._below >= self.vanishing_steps)).tolist()
         for i in ended:
             state, self._vanishing[i] = self._vanishing[i], None
+            self._vanishing_open[i] = False
             self._end(
                 state,
                 f"the gradient norm of {self._names([i], values)} is no longer "
@@ -305,6 +308,7 @@ class GradientMonitor(keras.callbacks.Callback):
             layer_state["since"] = int(self._since[i])
             layer_state["checks"] = int(self._below[i])
             self._vanishing[i] = layer_state
+            self._vanishing_open[i] = True
 
     def _check_exploding(self, norms):
         value = norms.global_norm
