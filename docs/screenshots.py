@@ -6,7 +6,10 @@ run whose inputs turn NaN at step 35, starts `tensorboard` on their logs
 Chromium (Debian's `chromium` package: `apt-get install chromium`). The
 heatmap figures (`heatmap.png`: the demo's sigmoid model, whose first
 layers' gradients vanish; `heatmap_nan.png`: the NaN run) are written
-straight from the event files, at their own size.
+straight from the event files, at their own size; `tensorboard_images.png`
+shows them as TensorBoard's Images tab does by default (scaled to its
+card). `report.png` is `GradientReport`'s figure for the demo's sigmoid
+model and `report_html.png` its HTML page in Chromium.
 
 Usage:
 
@@ -46,8 +49,12 @@ DASHBOARDS = {
         20000,
     ),
     "tensorboard_custom_scalars": ("#custom_scalars&_smoothingWeight=0", 20000),
-    "tensorboard_histograms": ("#histograms&tagFilter=dense_0/", 20000),
+    "tensorboard_histograms": ("#histograms&tagFilter=dense_0/kernel/gradient", 20000),
+    "tensorboard_images": ("?forceSVG=true&tagFilter=heatmap#timeseries", 30000),
 }
+# GradientReport's pages (the demo writes them): file name -> Chromium's window.
+REPORT_PAGE = ("sigmoid_report.html", "report_html", 1200, 420)
+REPORT_FIGURE = ("sigmoid_report.png", "report")
 # Heatmap pictures: run -> file name.
 HEATMAPS = {"sigmoid": "heatmap", "nan_at_35": "heatmap_nan"}
 
@@ -113,6 +120,22 @@ def write_heatmaps(logdir, out):
         path = os.path.join(out, f"{name}.png")
         with open(path, "wb") as f:
             f.write(png)
+        written.append(path)
+    return written
+
+
+def write_reports(logdir, out, chromium):
+    """The demo's `GradientReport` figure, and its page as Chromium shows it."""
+    written = []
+    name, picture = REPORT_FIGURE
+    if os.path.exists(os.path.join(logdir, name)):
+        shutil.copyfile(os.path.join(logdir, name), os.path.join(out, picture + ".png"))
+        written.append(os.path.join(out, picture + ".png"))
+    name, picture, width, height = REPORT_PAGE
+    page = os.path.join(logdir, name)
+    if os.path.exists(page):
+        path = os.path.join(out, picture + ".png")
+        screenshot(chromium, "file://" + os.path.abspath(page), path, width, height, 1000)
         written.append(path)
     return written
 
@@ -199,7 +222,7 @@ def main(argv=None):
     logdir = args.logdir or tempfile.mkdtemp(prefix="screenshots_")
     if not os.path.isdir(logdir) or not os.listdir(logdir):
         make_logs(logdir)
-    for path in write_heatmaps(logdir, args.out):
+    for path in write_heatmaps(logdir, args.out) + write_reports(logdir, args.out, args.chromium):
         print(path)
     port = free_port()
     log_path = os.path.join(tempfile.gettempdir(), f"tensorboard_{port}.log")

@@ -4,7 +4,8 @@ Run `python -m keras_keepgrad.demo --logdir runs/demo`. It trains two small
 models on synthetic data with `KeepGradModel` (seconds on a laptop CPU):
 gradient metrics in the progress bar, `GradientTensorBoard` panels under
 `--logdir`, a `GradientMonitor` watching for vanishing layers, and at the end
-a per-layer gradient health table.
+`GradientReport`'s per-layer gradient health table (also as
+`<kind>_report.html` and `<kind>_report.png` under `--logdir`).
 """
 
 import argparse
@@ -21,9 +22,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_keepgrad as kg  # noqa: E402
-from keras_keepgrad._stats import layer_of  # noqa: E402
 
-VANISHING = 1e-5
+VANISHING = kg.callbacks.VANISHING_THRESHOLD
 
 
 def synthetic_data(n=2048, dims=16, seed=0):
@@ -78,49 +78,17 @@ class LayerNorms(keras.callbacks.Callback):
         self.norms = {}  # layer -> list of norms, one per step
 
     def on_train_batch_end(self, batch, logs=None):
-        per_layer = {}
-        for path, grad in self.model.get_gradients_by_path().items():
-            layer = layer_of(path)
-            # NumPy reads every backend's tensors through `convert_to_numpy`.
-            grad = keras.ops.convert_to_numpy(grad)
-            per_layer[layer] = per_layer.get(layer, 0.0) + float(np.sum(np.square(grad)))
-        for layer, sq in per_layer.items():
-            self.norms.setdefault(layer, []).append(math.sqrt(sq))
-
-
-def verdict(norms):
-    if not all(math.isfinite(n) for n in norms):
-        return "NON-FINITE"
-    mean = float(np.mean(norms))
-    if mean < VANISHING:
-        return "vanishing"
-    if mean > 1e3:
-        return "exploding"
-    return "ok"
-
-
-def health_table(norms):
-    rows = [("layer", "mean norm", "min", "max", "non-finite", "verdict")]
-    for layer, values in norms.items():
-        finite = [v for v in values if math.isfinite(v)]
-        rows.append(
-            (
-                layer,
-                f"{np.mean(finite):.3e}" if finite else "-",
-                f"{min(finite):.3e}" if finite else "-",
-                f"{max(finite):.3e}" if finite else "-",
-                str(len(values) - len(finite)),
-                verdict(values),
+        # `model.gradients` nests the gradients by layer (the demo's layers
+        # hold no sub-layers); NumPy reads every backend's tensors.
+        for layer, grads in self.model.gradients.items():
+            squares = sum(
+                float(np.sum(np.square(keras.ops.convert_to_numpy(g)))) for g in grads.values()
             )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+            self.norms.setdefault(layer, []).append(math.sqrt(squares))
 
 
 def run(kind, x, y, epochs, logdir, verbose):
-    """Trains one model; returns its final loss, norms, CSV path and monitor."""
+    """Trains one model; returns its history, norms, CSV path, monitor and report."""
     model = build_model(kind)
     model.compile(
         optimizer=keras.optimizers.SGD(0.05),
@@ -128,6 +96,11 @@ def run(kind, x, y, epochs, logdir, verbose):
         metrics=[kg.metrics.GradientNorm(), kg.metrics.VanishingGradients(threshold=VANISHING)],
     )
     norms = LayerNorms()
+    report = kg.callbacks.GradientReport(
+        print_table=False,  # shown after the monitor's summary, below
+        png=os.path.join(logdir, f"{kind}_report.png"),
+        html=os.path.join(logdir, f"{kind}_report.html"),
+    )
     monitor = kg.callbacks.GradientMonitor(
         action="warn", vanishing_threshold=VANISHING, vanishing_steps=5
     )
@@ -144,7 +117,7 @@ def run(kind, x, y, epochs, logdir, verbose):
             epochs=epochs,
             shuffle=False,
             verbose=verbose,
-            callbacks=[norms, monitor, board],
+            callbacks=[norms, monitor, board, report],
         )
     path = os.path.join(logdir, f"{kind}_grad_norms.csv")
     with open(path, "w", newline="") as f:
@@ -152,7 +125,7 @@ def run(kind, x, y, epochs, logdir, verbose):
         writer.writerow(["step"] + list(norms.norms))
         for step, row in enumerate(zip(*norms.norms.values())):
             writer.writerow([step + 1] + [f"{v:.6e}" for v in row])
-    return history.history, norms.norms, path, monitor
+    return history.history, norms.norms, path, monitor, report
 
 
 def main(argv=None):
@@ -176,10 +149,11 @@ def main(argv=None):
         return 2
 
     x, y = synthetic_data()
+    print(f"Keras {keras.__version__} on the {keras.backend.backend()} backend")
     start = time.time()
     for kind in ("sigmoid", "relu_bn"):
         print(f"\n== {kind}: 8 hidden layers, {len(x)} synthetic samples ==")
-        history, norms, path, monitor = run(
+        history, norms, path, monitor, report = run(
             kind, x, y, args.epochs, args.logdir, verbose=0 if args.quiet else 2
         )
         print(
@@ -189,8 +163,9 @@ def main(argv=None):
         )
         for event in monitor.events:
             print(f"GradientMonitor: {event['message']}")
-        print()
-        print(health_table(norms))
+        print(f"GradientMonitor summary:\n{monitor.summary()}")
+        print(f"Health report (also {kind}_report.html and .png in {args.logdir}):")
+        report.show()
     print(
         f"\nDone in {time.time() - start:.1f} s. Gradient panels: "
         f"tensorboard --logdir {args.logdir}"

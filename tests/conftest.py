@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 # The training-dynamics cases, shared by the TensorFlow and the other
 # backends' tests, report their failed asserts as test modules do.
-pytest.register_assert_rewrite("dynamics_cases")
+pytest.register_assert_rewrite("dynamics_cases", "report_cases")
 
 import keras_keepgrad as kg  # noqa: E402
 

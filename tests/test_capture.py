@@ -570,6 +570,7 @@ def test_a_partly_kept_step_reaches_tensorboard_and_the_monitor(tmp_path):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*to any optimizer", category=UserWarning)
         warnings.filterwarnings("ignore", message=".*exploding gradients", category=UserWarning)
+        warnings.filterwarnings("ignore", message="GradientMonitor: summary", category=UserWarning)
         model.fit(X, Y, batch_size=2, verbose=0, callbacks=[board, monitor])
     # The head's 15 (see above) is all the step kept: layer, global norm,
     # the monitor's report; no panel for the body, which has no gradient.
@@ -586,6 +587,7 @@ def test_a_partly_kept_step_reaches_tensorboard_and_the_monitor(tmp_path):
         "gradients/log10_norm/head",
         "gradients/nonfinite_steps",
         "head/kernel/gradient",
+        "head/kernel/gradient_log10_abs",
     ]
     for tag in ("gradients/log10_norm/head", "gradients/log10_global_norm"):
         (value,) = acc.Tensors(tag)
@@ -905,6 +907,7 @@ def test_a_gans_gradients_reach_tensorboard_and_the_monitor(tmp_path):
     with warnings.catch_warnings():
         # The monitor's own warning; its event is checked below.
         warnings.filterwarnings("ignore", message=".*exploding gradients", category=UserWarning)
+        warnings.filterwarnings("ignore", message="GradientMonitor: summary", category=UserWarning)
         gan.fit(X, z, batch_size=2, verbose=0, callbacks=[board, monitor])
     (event,) = monitor.events
     assert (event["kind"], event["step"]) == ("exploding", 1)

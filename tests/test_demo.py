@@ -1,18 +1,20 @@
 """The README's main job: `python -m keras_keepgrad.demo --logdir DIR`."""
 
 import csv
-import math
 
+import keras
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from keras_keepgrad import demo
+from keras_keepgrad.callbacks import _health
 
 
 def test_verdicts_by_hand():
-    assert demo.verdict([1e-6, 2e-6]) == "vanishing"
-    assert demo.verdict([0.5, 0.1]) == "ok"
-    assert demo.verdict([2e3, 4e3]) == "exploding"
-    assert demo.verdict([0.5, math.nan]) == "NON-FINITE"
+    # The mean norm against 1e-5 and 1e3; any non-finite step first.
+    assert _health.verdict(1.5e-6) == "vanishing"
+    assert _health.verdict(0.3) == "ok"
+    assert _health.verdict(3e3) == "exploding"
+    assert _health.verdict(0.5, nonfinite_steps=1) == "non-finite"
 
 
 def test_demo_runs_and_shows_the_vanishing_layers(tmp_path, capsys):
@@ -30,11 +32,17 @@ def test_demo_runs_and_shows_the_vanishing_layers(tmp_path, capsys):
     assert "vanishing" in sigmoid_table
     relu_table = out.split("== relu_bn")[1]
     relu_rows = relu_table.split("verdict")[1].split("Done in")[0]
-    assert "vanishing" not in relu_rows and "NON-FINITE" not in relu_rows
+    assert "vanishing" not in relu_rows and "non-finite" not in relu_rows
     assert "vanishing layers 0%" in relu_table
     # The monitor named the first layer; the panels are on disk.
     assert "GradientMonitor: Step" in sigmoid_table and "'dense_0'" in sigmoid_table
     assert f"tensorboard --logdir {tmp_path}" in out
+    assert f"on the {keras.backend.backend()} backend" in out
+    # The monitor's summary: dense_0 vanished for the whole run, reported once.
+    assert "'dense_0' vanishing: steps 1-16 (16 checks), until the end, the whole run" in out
+    assert out.count("GradientMonitor: Step") == 1
+    assert (tmp_path / "sigmoid_report.html").read_text().startswith("<!DOCTYPE html>")
+    assert (tmp_path / "relu_bn_report.png").read_bytes()[:4] == b"\x89PNG"
     acc = EventAccumulator(str(tmp_path / "sigmoid" / "train"))
     acc.Reload()
     tags = acc.Tags()

@@ -20,7 +20,14 @@ SURFACE = {
         "UpdateRatio",
         "VanishingGradients",
     ],
-    kg.callbacks: ["GradientMonitor", "GradientSnapshot", "GradientTensorBoard"],
+    kg.callbacks: [
+        "EXPLODING_THRESHOLD",
+        "VANISHING_THRESHOLD",
+        "GradientMonitor",
+        "GradientReport",
+        "GradientSnapshot",
+        "GradientTensorBoard",
+    ],
 }
 
 SIGNATURES = {
@@ -51,10 +58,11 @@ SIGNATURES = {
         "gradient_histogram_freq=None, **kwargs)"
     ),
     kg.callbacks.GradientMonitor: (
-        "(action='warn', check_nonfinite=True, min_loss_scale=1.0, vanishing_threshold=None, "
-        "vanishing_steps=10, exploding_threshold=None, exploding_factor=None, "
-        "median_window=100, check_freq=1)"
+        "(action='warn', check_nonfinite=True, min_loss_scale=1.0, vanishing_threshold=1e-05, "
+        "vanishing_steps=10, exploding_threshold=1000.0, exploding_factor=None, "
+        "median_window=100, check_freq=1, recovery_steps=10)"
     ),
+    kg.callbacks.GradientReport: "(print_table=True, png=None, html=None, title=None)",
     kg.callbacks.GradientSnapshot: "(path, every='epoch')",
 }
 
@@ -76,7 +84,10 @@ def test_all_is_exactly_the_public_surface():
         for name in names:
             assert getattr(module, name) is not None, name
     assert _public(kg) | {"callbacks", "metrics"} == set(SURFACE[kg])
-    assert _public(kg.callbacks) == set(SURFACE[kg.callbacks])
+    # The thresholds are floats, which name no module.
+    thresholds = {"EXPLODING_THRESHOLD", "VANISHING_THRESHOLD"}
+    assert _public(kg.callbacks) | thresholds == set(SURFACE[kg.callbacks])
+    assert (kg.callbacks.VANISHING_THRESHOLD, kg.callbacks.EXPLODING_THRESHOLD) == (1e-5, 1e3)
     # `build_gradient_metrics` is the model's hook into this module, not for users.
     assert _public(kg.metrics) - set(SURFACE[kg.metrics]) == {"build_gradient_metrics"}
 
@@ -102,7 +113,7 @@ def test_the_model_members_and_base_classes():
     assert callable(kg.KeepGradModel.get_gradients_of)
     assert callable(kg.KeepGradModel.keep_step_gradients)
     assert issubclass(kg.callbacks.GradientTensorBoard, keras.callbacks.TensorBoard)
-    for name in ("GradientMonitor", "GradientSnapshot"):
+    for name in ("GradientMonitor", "GradientReport", "GradientSnapshot"):
         assert issubclass(getattr(kg.callbacks, name), keras.callbacks.Callback), name
     for name in SURFACE[kg.metrics]:
         assert issubclass(getattr(kg.metrics, name), keras.metrics.Metric), name

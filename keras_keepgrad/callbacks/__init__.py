@@ -1,14 +1,19 @@
-"""Callbacks that read the kept gradients: TensorBoard panels, alarms, files.
+"""Callbacks that read the kept gradients: TensorBoard panels, alarms, reports, files.
 
-All three read the kept gradients between training steps (never inside
+All four read the kept gradients between training steps (never inside
 `train_step`: a `tf.summary` call traced into the step function would
 freeze its step and `record_if` at trace time), so they need a model that
 keeps gradients (`KeepGradModel` or `keep_gradients(model)`). For norms,
-`GradientTensorBoard` and `GradientMonitor` read statistics the training
-step computed once (each variable's sum of squares, one small vector;
-they ask for it when Keras hands them the model, before `fit` makes the
-training function), and the gradients themselves only for histograms,
-snapshots, or where a value is not finite.
+`GradientTensorBoard`, `GradientMonitor` and `GradientReport` read
+statistics the training step computed once (each variable's sum of
+squares, one small vector; they ask for it when Keras hands them the
+model, before `fit` makes the training function), and the gradients
+themselves only for histograms, snapshots, or where a value is not finite.
+
+Vanishing and exploding: `VANISHING_THRESHOLD` (1e-5) and
+`EXPLODING_THRESHOLD` (1e3), L2 gradient norms, are `GradientMonitor`'s
+defaults, `GradientReport`'s verdicts and the marks on the color bar of
+`GradientTensorBoard`'s heatmap.
 
 Steps. A callback's step is the number of training batches run since `fit`
 began. With `steps_per_execution=N` Keras calls back once per execution: the
@@ -36,8 +41,18 @@ component (`"dense_0/kernel"` and `"dense_0/bias"` make layer `"dense_0"`;
 functional models.
 """
 
+from keras_keepgrad.callbacks._health import EXPLODING_THRESHOLD
+from keras_keepgrad.callbacks._health import VANISHING_THRESHOLD
 from keras_keepgrad.callbacks.monitor import GradientMonitor
+from keras_keepgrad.callbacks.report import GradientReport
 from keras_keepgrad.callbacks.snapshot import GradientSnapshot
 from keras_keepgrad.callbacks.tensorboard import GradientTensorBoard
 
-__all__ = ["GradientMonitor", "GradientSnapshot", "GradientTensorBoard"]
+__all__ = [
+    "EXPLODING_THRESHOLD",
+    "VANISHING_THRESHOLD",
+    "GradientMonitor",
+    "GradientReport",
+    "GradientSnapshot",
+    "GradientTensorBoard",
+]

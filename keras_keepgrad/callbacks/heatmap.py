@@ -7,12 +7,16 @@ matplotlib's Agg canvas (no `pyplot`, no global state).
 
 import numpy as np
 
+from keras_keepgrad.callbacks import _health
+
 __all__ = [
     "Heatmap",
     "color_range",
     "colorize",
     "column_edges",
+    "elide",
     "first_nonfinite",
+    "labelled_rows",
     "render_heatmap",
 ]
 
@@ -40,22 +44,16 @@ _NONFINITE_COLOR = (255, 0, 0)
 def colorize(norms):
     """Maps a `[layers, steps]` array of norms to `[layers, steps, 3]` uint8.
 
-    The log10 norms are spread over viridis between their finite minimum
-    and maximum; zeros are black and NaN or inf are red.
+    The log10 norms are spread over viridis on the fixed `color_range()`
+    (1e-8 to 1e4), clipped beyond; zeros are black and NaN or inf are red.
     """
     norms = np.asarray(norms, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         logs = np.log10(norms)
     finite = np.isfinite(logs)
-    if finite.any():
-        low, high = logs[finite].min(), logs[finite].max()
-    else:
-        low = high = 0.0
+    low, high = color_range()
     position = np.zeros_like(logs)
-    if high > low:
-        position[finite] = (logs[finite] - low) / (high - low)
-    else:
-        position[finite] = 0.5
+    position[finite] = np.clip((logs[finite] - low) / (high - low), 0.0, 1.0)
     scaled = position * (len(_VIRIDIS) - 1)
     below = np.clip(np.floor(scaled).astype(np.int64), 0, len(_VIRIDIS) - 2)
     frac = (scaled - below)[..., None]
@@ -157,27 +155,18 @@ class Heatmap:
         return rgb[None]
 
 
-def color_range(logs, low_percentile=5.0, high_percentile=95.0, min_width=1.0):
-    """The log10 range the heatmap's colors span.
+def color_range(logs=None):
+    """The log10 range the heatmap's colors span: 1e-8 to 1e4.
 
-    From the `low_percentile`-th to the `high_percentile`-th percentile of
-    the finite values, widened about its middle to at least `min_width`
-    decades: a spike in a few cells (one step of 20 or more, in every
-    layer) falls beyond it (drawn in the end color) instead of squeezing
-    every other cell into one color.
+    Fixed, the same for every run, so that a color always means the same
+    norm. Norms beyond are clipped to the end colors (and hatched in the
+    figure). `logs` is accepted for compatibility and ignored.
 
     Returns:
-        `(low, high)` floats; `(-0.5, 0.5)` when nothing is finite.
+        `(low, high)` floats: `(-8.0, 4.0)`.
     """
-    logs = np.asarray(logs, np.float64)
-    finite = logs[np.isfinite(logs)]
-    if not finite.size:
-        return -0.5, 0.5
-    low, high = np.percentile(finite, [low_percentile, high_percentile])
-    if high - low < min_width:
-        middle = (low + high) / 2.0
-        low, high = middle - min_width / 2.0, middle + min_width / 2.0
-    return float(low), float(high)
+    del logs
+    return _health.LOG10_RANGE
 
 
 def column_edges(steps):
@@ -200,17 +189,57 @@ def first_nonfinite(columns, steps):
     return int(steps[column]), int(np.flatnonzero(bad[column])[0])
 
 
-def render_heatmap(heatmap, layers, title="Gradient L2 norm per layer, log10"):
+# The figure's size and type, in pixels at 100 dpi. Until "Show actual
+# image size" is ticked, TensorBoard's Time Series dashboard shrinks an image
+# to fit its card, about 640 x 230 pixels in a 1200 x 900 window: a figure
+# of that shape at twice the size (1200 x 440) with 15 pt (21 pixel) text
+# is shown at about half size with text of 10 pixels or more, whatever the
+# number of layers; rows are then named only as far as they fit (every
+# k-th beyond that, with its number).
+_DPI = 100
+_WIDTH = 1200
+_FONT = 15.0  # points
+_FONT_PX = _FONT * _DPI / 72.0
+_PLOT_HEIGHT = 270
+_NAME_CHARS = 32  # longer layer names are elided in the middle
+
+
+def elide(name, limit=_NAME_CHARS):
+    """`name`, with its middle replaced by "…" if longer than `limit`."""
+    if len(name) <= limit:
+        return name
+    head = (limit - 1 + 1) // 2
+    tail = limit - 1 - head
+    return name[:head] + "\u2026" + name[len(name) - tail :]
+
+
+def labelled_rows(n_layers, plot_height=None):
+    """The rows `render_heatmap` names: all, or every k-th when crowded."""
+    if plot_height is None:
+        plot_height = _PLOT_HEIGHT
+    fit = max(int(plot_height // (1.3 * _FONT_PX)), 1)
+    every = -(-n_layers // fit)  # ceil
+    return list(range(0, n_layers, every))
+
+
+def render_heatmap(heatmap, layers, title="Gradient L2 norm per layer"):
     """The heatmap as a labelled figure: `[1, height, width, 3]` uint8.
 
-    Layers on the rows (forward order, numbered), training steps on the x
-    axis, a color bar in log10 units over `color_range`, zero norms black
-    and NaN or inf red (both named in a legend), a dashed line at the first
-    non-finite step, and each layer's last value on the right. Drawn with
-    matplotlib's Agg canvas, without `pyplot` (no global state).
+    Layers on the rows (forward order, numbered, names whole up to 32
+    characters, else elided in the middle; with more rows than fit at the
+    figure's size, every k-th is named), training steps on the x axis, a
+    color bar over the fixed log10 scale `color_range()` (1e-8 to 1e4, the
+    same in every run; cells beyond it hatched in the end colors) marked at
+    `VANISHING_THRESHOLD` and `EXPLODING_THRESHOLD`, zero norms black and
+    NaN or inf red (all named in a legend), a dashed line at the first
+    non-finite step, and the named layers' last values on the right.
+    1200 x 436 pixels, sized to read in TensorBoard's image card at its
+    default size. Drawn with matplotlib's Agg canvas, without `pyplot` (no
+    global state).
     """
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.collections import PatchCollection
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
@@ -218,18 +247,31 @@ def render_heatmap(heatmap, layers, title="Gradient L2 norm per layer, log10"):
     steps = heatmap.steps
     with np.errstate(divide="ignore", invalid="ignore"):
         logs = np.log10(columns).T  # [layers, steps]
-    low, high = color_range(logs)
+    low, high = color_range()
     n_layers = len(layers)
-    width = 10.0
-    height = min(2.0 + 0.32 * n_layers, 24.0)
-    figure = Figure(figsize=(width, height), dpi=100)
+    rows = labelled_rows(n_layers)
+    labels = [f"{i} {elide(str(layers[i]))}" for i in rows]
+    plot = _PLOT_HEIGHT
+    top, bottom = 66, 110  # title; x axis and legend
+    height = top + plot + bottom
+    char = 0.6 * _FONT_PX
+    left = 14 + char * max(len(label) for label in labels)
+    bar_labels = 14 + 0.7 * _FONT_PX * len("1e3 exploding")  # bold
+    right = 14 + char * 7 + 22 + bar_labels  # last values, bar, its labels
+    figure = Figure(figsize=(_WIDTH / _DPI, height / _DPI), dpi=_DPI)
     FigureCanvasAgg(figure)
-    axes = figure.add_axes([0.2, 1.0 / height, 0.58, 1.0 - 1.7 / height])
+
+    def box(x, width):  # pixels -> figure fractions, rows of the plot
+        return [x / _WIDTH, bottom / height, width / _WIDTH, plot / height]
+
+    axes = figure.add_axes(box(left, _WIDTH - left - right))
     cmap = colormaps["viridis"].with_extremes(bad=_hex(_NONFINITE_COLOR))
     finite = np.where(np.isfinite(logs), logs, np.nan)
+    edges = column_edges(steps)
+    y_edges = np.arange(n_layers + 1) - 0.5
     mesh = axes.pcolormesh(
-        column_edges(steps),
-        np.arange(n_layers + 1) - 0.5,
+        edges,
+        y_edges,
         np.ma.masked_invalid(finite),
         cmap=cmap,
         vmin=low,
@@ -239,37 +281,57 @@ def render_heatmap(heatmap, layers, title="Gradient L2 norm per layer, log10"):
     zero = np.where(columns.T == 0.0, 1.0, np.nan)
     if np.isfinite(zero).any():
         axes.pcolormesh(
-            column_edges(steps),
-            np.arange(n_layers + 1) - 0.5,
-            np.ma.masked_invalid(zero),
-            cmap=_flat(_ZERO_COLOR),
-            shading="flat",
+            edges, y_edges, np.ma.masked_invalid(zero), cmap=_flat(_ZERO_COLOR), shading="flat"
         )
+    with np.errstate(invalid="ignore"):
+        beyond = np.isfinite(logs) & ((logs < low) | (logs > high))
+    hatch = dict(facecolor="none", edgecolor="#bbbbbb", hatch="///", linewidth=0.0)
+    if beyond.any():
+        axes.add_collection(PatchCollection(_runs(beyond, edges), **hatch))
     axes.set_ylim(n_layers - 0.5, -0.5)  # forward order from the top
-    axes.set_yticks(range(n_layers))
-    labels = [f"{i} {layer}" for i, layer in enumerate(layers)]
-    axes.set_yticklabels(labels, fontsize=9)
-    axes.set_xlabel("training step")
-    axes.set_title(title, fontsize=11, pad=16)
+    axes.set_yticks(rows)
+    axes.set_yticklabels(labels, fontsize=_FONT)
+    axes.tick_params(axis="x", labelsize=_FONT)
+    axes.set_xlabel("training step", fontsize=_FONT)
+    figure.text(
+        0.5,
+        1.0 - 10 / height,
+        f"{title}, on one fixed scale: 1e{low:g} to 1e{high:g}",
+        ha="center",
+        va="top",
+        fontsize=_FONT + 1,
+    )
     last = columns[-1]
     # Plain texts, not a secondary axis: a third of the drawing time less.
     transform = axes.get_yaxis_transform()  # x in axes, y in data units
-    for row, value in enumerate(last):
-        axes.text(1.01, row, _short(value), transform=transform, fontsize=8, va="center")
-    axes.text(1.01, -0.5, f"last (step {steps[-1]})", transform=transform, fontsize=8, va="bottom")
-    bar_axes = figure.add_axes([0.9, 1.0 / height, 0.02, 1.0 - 1.7 / height])
+    for row in rows:
+        axes.text(1.01, row, _short(last[row]), transform=transform, fontsize=_FONT, va="center")
+    axes.text(1.01, -0.5, "last", transform=transform, fontsize=_FONT, va="bottom")
+    bar_axes = figure.add_axes(box(_WIDTH - 22 - bar_labels, 22))
     bar = figure.colorbar(mesh, cax=bar_axes, extend="both")
-    bar.set_label("log10 norm (5th-95th percentile; beyond: end colors)", fontsize=8)
+    vanishing, exploding = _health.VANISHING_THRESHOLD, _health.EXPLODING_THRESHOLD
+    marks = {np.log10(vanishing): "vanishing", np.log10(exploding): "exploding"}
+    ticks = sorted({low, -2.0, 0.0, *marks})
+    bar.set_ticks(ticks)
+    bar.set_ticklabels(
+        [f"{_decade(t)} {marks[t]}" if t in marks else _decade(t) for t in ticks],
+        fontsize=_FONT,
+    )
+    for value, name in marks.items():
+        bar_axes.axhline(value, color="#d62728" if name == "exploding" else "white", linewidth=2.5)
+    for label in bar_axes.get_yticklabels():
+        if label.get_text().endswith(("vanishing", "exploding")):
+            label.set_fontweight("bold")
     handles = [
         Patch(color=_hex(_NONFINITE_COLOR), label="NaN or inf"),
         Patch(color=_hex(_ZERO_COLOR), label="zero"),
+        Patch(facecolor=cmap(0.0), edgecolor="#bbbbbb", hatch="///", label="beyond the scale"),
     ]
     found = first_nonfinite(columns, steps)
     if found is not None:
         step, layer = found
-        edges = column_edges(steps)
         start = edges[list(steps).index(step)]  # where that column begins
-        axes.axvline(start, color="black", linestyle="--", linewidth=1.5)
+        axes.axvline(start, color="black", linestyle="--", linewidth=2.0)
         axes.annotate(
             f"NaN/inf from step {step}",
             xy=(start, -0.5),
@@ -277,28 +339,52 @@ def render_heatmap(heatmap, layers, title="Gradient L2 norm per layer, log10"):
             textcoords="offset points",
             ha="center",
             va="bottom",
-            fontsize=9,
+            fontsize=_FONT,
             color="#b00000",
             fontweight="bold",
             annotation_clip=False,
         )
-        handles.append(
-            Patch(
-                color="white",
-                label=f"first NaN/inf: step {step}, layer {layer} {layers[layer]}",
-            )
+        figure.text(
+            1.0 - 8 / _WIDTH,
+            8 / height,
+            f"first NaN/inf: step {step}, layer {layer} {elide(layers[layer])}",
+            ha="right",
+            va="bottom",
+            fontsize=_FONT,
+            color="#b00000",
         )
     figure.legend(
         handles=handles,
         loc="lower left",
-        bbox_to_anchor=(0.2, 0.08 / height),
-        ncol=3,
-        fontsize=8,
+        bbox_to_anchor=(8 / _WIDTH, 4 / height),
+        ncol=len(handles),
+        fontsize=_FONT,
         frameon=False,
+        handlelength=1.2,
+        columnspacing=1.2,
     )
     figure.canvas.draw()
     rgba = np.asarray(figure.canvas.buffer_rgba())
     return rgba[None, :, :, :3].copy()
+
+
+def _runs(mask, edges):
+    """Rectangles over the runs of True cells of each row of `mask`."""
+    from matplotlib.patches import Rectangle
+
+    patches = []
+    for row, cells in enumerate(mask):
+        padded = np.concatenate([[False], cells, [False]])
+        changes = np.flatnonzero(padded[1:] != padded[:-1])
+        for begin, end in zip(changes[::2], changes[1::2]):
+            patches.append(Rectangle((edges[begin], row - 0.5), edges[end] - edges[begin], 1.0))
+    return patches
+
+
+def _decade(log10_value):
+    if -2 <= log10_value <= 2:
+        return f"{10.0**log10_value:g}"
+    return f"1e{log10_value:g}"
 
 
 def _hex(rgb):

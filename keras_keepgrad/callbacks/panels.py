@@ -34,10 +34,10 @@ HEATMAP_DESCRIPTION = (
     "top, as in the custom-scalars layout) and training step "
     "(x axis). Past 1024 recorded steps a column covers several, all the "
     "same number (doubling as the run grows; the last column may cover "
-    "fewer), and shows their geometric mean. Colors: viridis from the 5th "
-    "to the 95th percentile of the finite log10 norms in the figure (at "
-    "least one decade wide), so that a short spike cannot wash out the rest; "
-    "values beyond are drawn in the end colors (the color bar's triangles). "
+    "fewer), and shows their geometric mean. Colors: viridis on one fixed "
+    "scale, the same in every run, from 1e-8 to 1e4; values beyond are drawn "
+    "in the end colors, hatched. The color bar marks the vanishing (1e-5) "
+    "and exploding (1e3) thresholds of GradientMonitor and GradientReport. "
     "Black: a zero norm; red: NaN or inf, and a red dashed line with its "
     "step marks the first non-finite step. The right-hand labels give each "
     "layer's norm in the last column."
@@ -45,11 +45,19 @@ HEATMAP_DESCRIPTION = (
 
 HISTOGRAM_SUFFIX = "/gradient"
 NONFINITE_HISTOGRAM_SUFFIX = "/gradient_nonfinite"
+LOG10_HISTOGRAM_SUFFIX = "/gradient_log10_abs"
 
 HISTOGRAM_DESCRIPTION = (
     "The finite entries of this variable's kept gradient, beside the "
     "variable's weights (`.../histogram`). A step whose entries were all "
     "NaN or inf has no values here: see `.../gradient_nonfinite`."
+)
+LOG10_HISTOGRAM_DESCRIPTION = (
+    "log10 of the magnitude of this variable's finite, non-zero gradient "
+    "entries: -6 reads 1e-6. Where `.../gradient` spans a tiny range (a "
+    "vanishing layer's entries of about 1e-7), TensorBoard labels its axis "
+    "with long fixed-point numbers that overlap; here the axis reads in "
+    "decades, comparable with the heatmap and the log10_grad_norm charts."
 )
 NONFINITE_HISTOGRAM_DESCRIPTION = (
     "Written only at the steps where this variable's gradient held NaN or "
@@ -105,6 +113,10 @@ def layer_blocks(n_layers, size=BLOCK_SIZE):
 
 def _exact(tag):
     return "^" + re.escape(tag) + "$"
+
+
+def log10_histogram_tag(path):
+    return path + LOG10_HISTOGRAM_SUFFIX
 
 
 def write_layout(layers, loss_scaled, count_skipped, dynamics_charts=()):

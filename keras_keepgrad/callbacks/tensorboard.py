@@ -58,17 +58,22 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
       every N training batches, at the batch step. Where the gradient held
       NaN or inf, also `<variable path>/gradient_nonfinite`: -1 per -inf
       entry, 0 per NaN, +1 per +inf (an all-non-finite step leaves the
-      gradient slice empty; this marks it).
+      gradient slice empty; this marks it). Beside them,
+      `<variable path>/gradient_log10_abs`: histograms of log10 of the
+      magnitude of the finite, non-zero entries (a vanishing layer's
+      gradient of about 1e-7 reads -7, where TensorBoard's labels of its
+      tiny linear range overlap).
     - `gradients/heatmap`: at each epoch end once a step was recorded
       (with an integer `update_freq`, not before that many steps; drawing
       takes about 0.1 s, so in a `fit` of many short epochs only while that
       stays under 2% of the training time, and always at the last epoch or
       when `fit` stops early), a figure of log10 layer norms: layers (rows, forward order, named) by
-      training step, for the whole run so far, with a color bar over the
-      5th to 95th percentile of the norms (a short spike cannot wash out
-      the rest; beyond are the end colors), zero black and NaN/inf red
-      (named in its legend), a dashed line at the first non-finite step,
-      and each layer's last norm on the right. At most 1024 columns, each
+      training step, for the whole run so far, on one fixed log10 color
+      scale for every run (1e-8 to 1e4; beyond it the end colors, hatched),
+      the vanishing and exploding thresholds marked on the color bar, zero
+      black and NaN/inf red (named in its legend), a dashed line at the
+      first non-finite step, and the named layers' last norms on the right;
+      1200 x 446 pixels, readable at TensorBoard's default image size. At most 1024 columns, each
       the geometric mean of the same number of recorded steps (doubled as
       the run grows; the last column may hold fewer).
     - A custom-scalars layout, "Gradient panels": one chart of the global
@@ -432,11 +437,21 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
                 values = tf.reshape(grad, [-1])
                 finite = tf.math.is_finite(values)
                 all_finite = bool(tf.reduce_all(finite))
+                finite_values = values if all_finite else tf.boolean_mask(values, finite)
                 tf.summary.histogram(
                     panels.histogram_tag(path),
-                    values if all_finite else tf.boolean_mask(values, finite),
+                    finite_values,
                     step=step,
                     description=panels.HISTOGRAM_DESCRIPTION,
+                )
+                # The same entries by magnitude, in decades: TensorBoard's
+                # axis labels of a tiny linear range overlap.
+                magnitudes = tf.abs(tf.cast(finite_values, tf.float64))
+                tf.summary.histogram(
+                    panels.log10_histogram_tag(path),
+                    tf.math.log(tf.boolean_mask(magnitudes, magnitudes > 0)) / np.log(10.0),
+                    step=step,
+                    description=panels.LOG10_HISTOGRAM_DESCRIPTION,
                 )
                 if not all_finite:
                     tf.summary.histogram(

@@ -15,6 +15,7 @@ import h5py
 import keras
 import numpy as np
 import pytest
+import report_cases
 from conftest import W0
 from conftest import LateBuilt
 from conftest import X
@@ -762,3 +763,22 @@ def test_dynamics_state_stays_out_of_the_weights_and_the_saved_files(tmp_path):
 @pytest.mark.slow
 def test_dynamics_noise_scale_matches_the_closed_form_on_one_device():
     cases.noise_scale_matches_the_closed_form_on_one_device()
+
+
+# GradientReport and GradientMonitor's states (cases in report_cases.py) ----
+
+
+def test_report_values_by_hand(tmp_path, capsys):
+    report_cases.report_values_by_hand(tmp_path, capsys)
+
+
+def test_report_verdicts():
+    report_cases.report_verdicts()
+
+
+def test_monitor_defaults_catch_vanishing_and_exploding():
+    report_cases.monitor_defaults_catch_vanishing_and_exploding()
+
+
+def test_monitor_reports_a_state_once_with_its_end():
+    report_cases.monitor_reports_a_state_once_with_its_end()

@@ -62,6 +62,10 @@ from keras_keepgrad import callbacks
             "`vanishing_steps` must be a positive int. Received: vanishing_steps=0",
         ),
         (
+            lambda: callbacks.GradientMonitor(recovery_steps=0),
+            "`recovery_steps` must be a positive int. Received: recovery_steps=0",
+        ),
+        (
             lambda: callbacks.GradientMonitor(check_freq="epoch"),
             "`check_freq` must be a positive int. Received: check_freq='epoch'",
         ),
@@ -103,6 +107,29 @@ def test_a_snapshot_path_of_the_wrong_type_is_named(path):
     )
     with pytest.raises(TypeError, match=match):
         callbacks.GradientSnapshot(path)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda: callbacks.GradientReport(html=3),
+            "`html` must be a file path (str or os.PathLike) or None. Received: html=3 of type int",
+        ),
+        (
+            lambda: callbacks.GradientReport(print_table="yes"),
+            "`print_table` must be a bool (True or False). Received: print_table='yes'",
+        ),
+        (
+            lambda: callbacks.GradientReport(title=1),
+            "`title` must be a str or None. Received: title=1 of type int",
+        ),
+    ],
+)
+def test_report_arguments_of_the_wrong_type_are_named(make, message):
+    with pytest.raises(TypeError) as info:
+        make()
+    assert message in str(info.value)
 
 
 @pytest.mark.parametrize("kind", ["tensorboard", "snapshot"])

@@ -1,25 +1,22 @@
 """Tests for keras_keepgrad.callbacks.heatmap: columns and colours."""
 
 import numpy as np
-import pytest
 
 from keras_keepgrad.callbacks import heatmap as heatmaps
 
 
-def test_heatmap_color_range_ignores_a_spike():
-    # 34 healthy steps near 1e-2 and one spike of 2.9e8 in each of 3
-    # layers (1 in 35 cells): the 95th percentile stays below the spike,
-    # so the healthy cells keep the color scale.
-    logs = np.full((3, 35), -2.0)
-    logs[:, :34] += np.linspace(-1.0, 1.0, 34)  # -3 .. -1
-    logs[:, 34] = np.log10(2.9e8)
-    low, high = heatmaps.color_range(logs)
-    finite = np.sort(logs.ravel())
-    assert low == pytest.approx(np.percentile(finite, 5))
-    assert high == pytest.approx(np.percentile(finite, 95)) and high < -1.0
-    # Zeros (-inf) and NaN are left out; nothing finite: a unit range.
-    assert heatmaps.color_range([[-np.inf, np.nan, 1.0, 3.0]]) == pytest.approx((1.1, 2.9))
-    assert heatmaps.color_range([[np.nan]]) == (-0.5, 0.5)
+def test_heatmap_color_range_is_fixed_and_names_are_elided():
+    # One scale for every run: 1e-8 to 1e4, whatever the norms.
+    assert heatmaps.color_range() == (-8.0, 4.0)
+    assert heatmaps.color_range(np.full((3, 35), -2.0)) == (-8.0, 4.0)
+    # Names of up to 32 characters whole; longer: 16 + "…" + 15.
+    assert heatmaps.elide("expanded_conv_depthwise_BN") == "expanded_conv_depthwise_BN"
+    long = "a_very_long_layer_name_of_forty_chars_xy"
+    assert heatmaps.elide(long) == "a_very_long_laye\u2026_forty_chars_xy"
+    # 270 plot pixels hold 270 // (1.3 * 15 pt * 100 / 72) = 9 names: 9
+    # layers are all named, 105 every 12th (ceil(105 / 9)).
+    assert heatmaps.labelled_rows(9) == list(range(9))
+    assert heatmaps.labelled_rows(105) == list(range(0, 105, 12))
 
 
 def test_heatmap_column_edges_and_first_nonfinite():
@@ -34,13 +31,19 @@ def test_heatmap_column_edges_and_first_nonfinite():
 
 
 def test_heatmap_marks_zero_and_nonfinite_and_merges_columns_evenly():
-    rgb = heatmaps.colorize(np.array([[1.0, 100.0, 0.0, np.nan, np.inf]]))
+    # On the fixed scale 1e-8 .. 1e4 over 11 viridis samples (10 intervals):
+    # 1 is at 8/12 (sample 6.67: 1/3 of [34, 167, 132] + 2/3 of
+    # [68, 190, 112]), 100 at 10/12 (sample 8.33: 2/3 of [121, 209, 81] +
+    # 1/3 of [189, 222, 38]); beyond the scale, the end colors.
+    rgb = heatmaps.colorize(np.array([[1.0, 100.0, 0.0, np.nan, np.inf, 1e-9, 1e5]]))
     assert rgb[0].tolist() == [
-        [68, 1, 84],
-        [253, 231, 37],
+        [57, 182, 119],
+        [144, 213, 67],
         [0, 0, 0],
         [255, 0, 0],
         [255, 0, 0],
+        [68, 1, 84],
+        [253, 231, 37],
     ]
     # Two layers, 14 steps, at most 4 columns. Step 5 makes 5 columns: the
     # span doubles to 2 (columns 1-2, 3-4; step 5 pending). Step 9 makes 5
@@ -61,12 +64,13 @@ def test_heatmap_marks_zero_and_nonfinite_and_merges_columns_evenly():
     # Layer b: a zero makes 0; a NaN, or an inf beside a zero, non-finite.
     assert columns[0, 1] == 0.0 and columns[3, 1] == 1.0
     assert np.isnan(columns[1, 1]) and np.isnan(columns[2, 1])
-    # 2 layers x 4 columns of 16 x 16 pixels; finite log10 norms from 0
-    # (bottom of viridis) to 2 (top): 1 is its middle.
+    # 2 layers x 4 columns of 16 x 16 pixels. 10 is at 9/12 of the scale
+    # (sample 7.5: the mean of [68, 190, 112] and [121, 209, 81], rounded
+    # half to even), 100 at 10/12 and 1 at 8/12, as above.
     image = heatmap.image()[0]
     assert image.shape == (32, 64, 3)
-    assert image[8, ::16].tolist() == [[32, 144, 140], [253, 231, 37]] * 2
-    assert image[24, ::16].tolist() == [[0, 0, 0], [255, 0, 0], [255, 0, 0], [68, 1, 84]]
+    assert image[8, ::16].tolist() == [[94, 200, 96], [144, 213, 67]] * 2
+    assert image[24, ::16].tolist() == [[0, 0, 0], [255, 0, 0], [255, 0, 0], [57, 182, 119]]
 
 
 def test_heatmap_columns_of_a_long_run_cover_equal_spans():

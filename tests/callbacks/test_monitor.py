@@ -36,7 +36,11 @@ def test_monitor_stops_a_nan_run_and_names_the_layer():
     model = sqrt_model()
     x = np.array([[1.0], [4.0], [0.0], [0.0], [1.0], [1.0]])
     monitor = callbacks.GradientMonitor(action="stop")
-    with pytest.warns(UserWarning, match=r"Step 2: non-finite .* 1 of 2 layers.*'a'\. Stopping"):
+    # The report, then the summary of the run at its (early) end.
+    with (
+        pytest.warns(UserWarning, match=r"summary of steps 1-2:\n'a' non-finite: steps 2-2"),
+        pytest.warns(UserWarning, match=r"Step 2: non-finite .* 1 of 2 layers.*'a'\. Stopping"),
+    ):
         history = model.fit(
             x, np.ones_like(x), batch_size=2, shuffle=False, verbose=0, callbacks=[monitor]
         )
@@ -50,9 +54,11 @@ def test_monitor_lists_nonfinite_layers_in_forward_order():
     model = two_layer_model(names=("z_first", "a_second"))
     x = np.array([[np.nan, 1.0]])
     monitor = callbacks.GradientMonitor(action="warn")
-    with pytest.warns(UserWarning, match=r"'z_first', 'a_second'"):
+    with pytest.warns(UserWarning, match=r"'z_first', 'a_second'") as caught:
         model.fit(x, np.ones((1, 1)), verbose=0, callbacks=[monitor])
     assert monitor.events[0]["layers"] == ["z_first", "a_second"]
+    # The report, then the run's summary.
+    assert "summary of steps 1-1" in str(caught[1].message) and len(caught) == 2
 
 
 def test_monitor_waits_for_the_loss_scale_then_raises():
@@ -78,7 +84,10 @@ def test_monitor_reports_vanishing_layer_after_n_steps():
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
     x = np.ones((4, 1))
     monitor = callbacks.GradientMonitor(vanishing_threshold=1e-6, vanishing_steps=3)
-    with pytest.warns(UserWarning, match=r"Step 3: vanishing gradients: .*'a' \(0\).*3 checks"):
+    with (
+        pytest.warns(UserWarning, match=r"'a' vanishing: steps 1-4 \(4 checks\), until the end"),
+        pytest.warns(UserWarning, match=r"Step 3: vanishing gradients: .*'a' \(0\).*3 checks"),
+    ):
         model.fit(x, np.ones_like(x), batch_size=1, shuffle=False, verbose=0, callbacks=[monitor])
     assert [(e["kind"], e["step"], e["layers"]) for e in monitor.events] == [
         ("vanishing", 3, ["a"])
@@ -92,11 +101,15 @@ def test_monitor_reports_explosions_by_threshold_and_by_median():
     x, y = hand_data(12)
     x[22:] *= 10.0
     by_threshold = callbacks.GradientMonitor(exploding_threshold=100.0)
-    by_median = callbacks.GradientMonitor(exploding_factor=10.0, median_window=50)
+    by_median = callbacks.GradientMonitor(
+        exploding_threshold=None, exploding_factor=10.0, median_window=50
+    )
     with pytest.warns(UserWarning) as caught:
         model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[by_threshold, by_median])
+    # Each reports the explosion, then sums the run up at its end.
     messages = [str(w.message) for w in caught]
-    assert len(messages) == 2
+    assert len(messages) == 4
+    assert "summary of steps 1-12:\n'dense_0' exploding: steps 12-12 (1 check)" in messages[2]
     assert (
         "Step 12: exploding gradients: global norm 1500 is above exploding_threshold=100"
         in messages[0]

@@ -48,8 +48,10 @@ def test_keep_every_callbacks_read_each_kept_step_once_at_its_step(tmp_path):
             verbose=0,
             callbacks=[board, snapshot, monitor, recorder],
         )
+    # The report, then the run's summary (steps 1, 3 and 5 were read).
     assert [str(w.message)[:46] for w in caught if w.category is UserWarning] == [
-        "GradientMonitor: Step 3: vanishing gradients: "
+        "GradientMonitor: Step 3: vanishing gradients: ",
+        "GradientMonitor: summary of steps 1-5:\n'dense_",
     ]
     assert [float(g["dense_0/kernel"][0, 0]) for g in recorder.grads] == [
         15.0,
@@ -85,7 +87,10 @@ def test_keep_every_labels_a_read_step_with_the_epoch_it_ran_in(tmp_path):
     x[8:] *= 2.0
     snapshot = callbacks.GradientSnapshot(tmp_path / "e{epoch}_s{step}.npz", every=3)
     monitor = callbacks.GradientMonitor(exploding_threshold=40.0, check_freq=3)
-    with pytest.warns(UserWarning, match=r"Step 5: exploding gradients: global norm 60 "):
+    with (
+        pytest.warns(UserWarning, match=r"summary of steps 3-9:\n'dense_0' exploding: steps 5-5"),
+        pytest.warns(UserWarning, match=r"Step 5: exploding gradients: global norm 60 "),
+    ):
         model.fit(
             x,
             y,
@@ -163,7 +168,8 @@ def test_callbacks_of_a_model_built_by_its_first_batch(tmp_path, mode, own_step)
             x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[snapshot, board, monitor]
         )
     assert [str(w.message)[:56] for w in caught if w.category is UserWarning] == [
-        "GradientMonitor: Step 1: exploding gradients: global nor"
+        "GradientMonitor: Step 1: exploding gradients: global nor",
+        "GradientMonitor: summary of steps 1-2:\n'net/dense_0' exp",
     ]
     assert snapshot.files == [str(tmp_path / "g_1.npz"), str(tmp_path / "g_2.npz")]
     found = []

@@ -31,7 +31,6 @@ from conftest import free_ports
 
 import keras_keepgrad as kg
 from keras_keepgrad import callbacks
-from keras_keepgrad.callbacks import heatmap as heatmaps
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +121,12 @@ def test_tensorboard_histograms_sit_beside_the_weights(hand_run):
     buckets = tf.make_ndarray(event.tensor_proto)  # [left, right, count]
     assert buckets[:, 2].sum() == 1.0
     assert buckets[:, 0].min() == 3.75 and buckets[:, 1].max() == 3.75
+    # By magnitude, in decades: log10(3.75) = 0.574.
+    (event,) = acc.Tensors("dense_0/kernel/gradient_log10_abs")
+    buckets = tf.make_ndarray(event.tensor_proto)
+    assert buckets[:, 2].sum() == 1.0
+    assert buckets[:, 0].min() == buckets[:, 1].max()
+    assert buckets[:, 0].min() == pytest.approx(np.log10(3.75), rel=1e-12)
     # All finite: no non-finite companion.
     assert "dense_0/kernel/gradient_nonfinite" not in tags
     assert not [t for t in tags if t.startswith("gradients/histogram/")]
@@ -268,22 +273,19 @@ def test_tensorboard_heatmap_is_a_labelled_figure(hand_run):
     (event,) = acc.Tensors("gradients/heatmap")
     width, height, png = tf.make_ndarray(event.tensor_proto)
     image = tf.io.decode_png(png).numpy()
-    # 10 x (2 + 0.32 * 1 layer) inches at 100 dpi.
-    assert (int(width), int(height)) == (1000, 232) and image.shape == (232, 1000, 3)
+    # 1200 x (66 + 270 + 110) pixels, whatever the number of layers.
+    assert (int(width), int(height)) == (1200, 446) and image.shape == (446, 1200, 3)
     # Finite norms only: the NaN red is only in the legend's small patch
     # (a NaN cell would be a sixth of the plot, as in the test above).
     assert (image == [255, 0, 0]).all(axis=-1).sum() < 500
-    # log10 of 15, 7.5, 3.75 span 0.6 decade, widened to 1 about the
-    # middle: neither end color, the middle column near viridis's middle.
-    assert heatmaps.color_range(np.log10([[15.0, 7.5, 3.75]])) == pytest.approx(
-        (np.log10(7.5) - 0.5, np.log10(7.5) + 0.5)
-    )
-    # So the three cells, steps 1 to 3 left to right, are viridis at
-    # 0.5 + log10(2) = 0.801, 0.5 and 0.5 - log10(2) = 0.199 (matplotlib's
-    # `colormaps["viridis"]`, times 255, rounded); each fills a cell of about
-    # 190 x 59 pixels.
-    colors = {15.0: [124, 210, 80], 7.5: [33, 145, 140], 3.75: [65, 66, 135]}
-    where = {v: np.nonzero((image == c).all(axis=-1)) for v, c in colors.items()}
+    # The fixed scale 1e-8 .. 1e4: the three cells, steps 1 to 3 left to
+    # right, are viridis at (log10(norm) + 8) / 12 = 0.7647, 0.7396 and
+    # 0.7145 (matplotlib's `colormaps["viridis"]`, times 255, rounded).
+    colors = {15.0: [101, 203, 94], 7.5: [88, 199, 101], 3.75: [74, 193, 109]}
+    # The plot ends left of x = 900, where the color bar (which holds the
+    # same colors) begins.
+    plot = image[:, :900]
+    where = {v: np.nonzero((plot == c).all(axis=-1)) for v, c in colors.items()}
     assert all(len(rows) > 10_000 for rows, _ in where.values())
     (left_rows, left), (_, right) = where[15.0], where[3.75]
     row, middle = int(np.median(left_rows)), int((left.mean() + right.mean()) / 2)
