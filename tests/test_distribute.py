@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Every test here reads the results of a subprocess on 2 logical CPUs or of
 # two worker processes.
 pytestmark = pytest.mark.slow
-TIMEOUT = 240
+TIMEOUT = 600
 _MARK = "@@RESULT@@"
 
 # What a subprocess runs first: TensorFlow's devices are fixed by the first

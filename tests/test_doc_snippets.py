@@ -105,7 +105,7 @@ def test_python_blocks_run(page, backend, tmp_path):
         capture_output=True,
         text=True,
         env=python_env(KERAS_BACKEND=backend),
-        timeout=300,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     outputs = result.stdout.split(MARKER + "\n")[:-1]

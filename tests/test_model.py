@@ -41,7 +41,7 @@ def run_py(code, env=None):
         capture_output=True,
         text=True,
         env=full_env,
-        timeout=240,
+        timeout=600,
     )
 
 

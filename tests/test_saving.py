@@ -545,7 +545,7 @@ def test_keras_archives_round_trip_in_a_fresh_process(tmp_path):
         capture_output=True,
         text=True,
         env=env,
-        timeout=240,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
