@@ -327,7 +327,7 @@ class KeepGradModel(backend.Trainer, keras.Model):
             # Its state: made only where skipping is on, so that a model
             # that does not skip has no variable or metric more.
             if metric is not None:
-                del self._skipped_metric  # untracked: out of `model.metrics`
+                _compat.untrack_metric(self, metric)
             self._skipped_metric = None if config is None else _skipping.SkippedSteps(config.window)
 
     def get_config(self):
