@@ -12,9 +12,9 @@ x = [[p], [q]] gives loss = mean((w x)^2), so d/dw = w (p^2 + q^2): 15 for
 
 import keras
 import numpy as np
+from conftest import LateBuilt
 from conftest import X
 from conftest import Y
-from conftest import LateBuilt
 from conftest import one_weight
 
 import keras_keepgrad as kg
