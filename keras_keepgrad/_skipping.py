@@ -72,7 +72,9 @@ class SkipBadSteps:
             (`nonfinite=False` and `spike_factor=None`).
     """
 
-    def __init__(self, nonfinite=True, spike_factor=None, window=100):
+    def __init__(
+        self, nonfinite: bool = True, spike_factor: float | None = None, window: int = 100
+    ) -> None:
         self.nonfinite = _checks.check_bool("nonfinite", nonfinite)
         self.spike_factor = _checks.check_positive_float("spike_factor", spike_factor, above=1.0)
         self.window = _checks.check_positive_int("window", window)

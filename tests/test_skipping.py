@@ -2,11 +2,15 @@
 eager, graph and XLA steps, and what is TensorFlow's or backend-free
 (arguments, saving, TensorBoard, strategies)."""
 
+import os
+import re
+
 import keras
 import numpy as np
 import pytest
 import skipping_cases as cases
 import tensorflow as tf
+from conftest import REPO
 from conftest import X
 from conftest import Y
 from conftest import one_weight
@@ -147,3 +151,11 @@ def test_tensorboard_marks_the_skipped_steps(tmp_path):
     assert marks == [(2, 1.0), (4, 1.0), (6, 1.0), (8, 1.0)]
     epochs = [float(tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors("epoch_skipped_steps")]
     assert epochs == [2.0, 2.0]
+
+
+def test_the_docs_example_runs_and_prints_its_comments(capsys):
+    with open(os.path.join(REPO, "docs", "skipping.md")) as f:
+        text = f.read()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    exec(compile(code, "docs/skipping.md", "exec"), {})
+    assert capsys.readouterr().out.splitlines() == ["[2.0]", "4"]
