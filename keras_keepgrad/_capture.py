@@ -13,7 +13,8 @@ through `stateless_apply`, which is wrapped the same way.
 
 An optimizer that calls another's `apply` (a `LossScaleOptimizer` calling
 its inner optimizer, `stateless_apply` calling `apply`) is captured once,
-at the outermost call: what the user's step handed over.
+at the outermost call: what the user's step handed over. Where the model
+skips bad steps, the step's `guard` (`_skipping`) decides if it runs.
 """
 
 import contextlib
