@@ -2,6 +2,7 @@
 
 from keras_keepgrad import callbacks
 from keras_keepgrad import metrics
+from keras_keepgrad._skipping import SkipBadSteps
 from keras_keepgrad.model import KeepGradModel
 from keras_keepgrad.wrapping import keep_gradients
 
@@ -9,6 +10,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KeepGradModel",
+    "SkipBadSteps",
     "callbacks",
     "keep_gradients",
     "metrics",

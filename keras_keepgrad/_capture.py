@@ -13,7 +13,8 @@ through `stateless_apply`, which is wrapped the same way.
 
 An optimizer that calls another's `apply` (a `LossScaleOptimizer` calling
 its inner optimizer, `stateless_apply` calling `apply`) is captured once,
-at the outermost call: what the user's step handed over.
+at the outermost call: what the user's step handed over. Where the model
+skips bad steps, the step's `guard` (`_skipping`) decides if it runs.
 """
 
 import contextlib
@@ -80,6 +81,8 @@ class Step:
         self.reduced = True
         self.applying = False
         self.backend_state = None
+        # The `_skipping.Guard` that judges its updates, if the model skips bad steps.
+        self.guard = None
         self._updating = False
         # `{path: variable}` of the model's trainable variables and of all
         # that the step handed over so far: checked before anything changes.
@@ -339,10 +342,14 @@ def _capturing(apply):
         step.claim(variables)
         step.before_update()
 
-        def run(grads):
+        def run(grads, kept):
             step.applying = True
             try:
-                return apply(optimizer, grads, trainable_variables)
+                if step.guard is None:
+                    return apply(optimizer, grads, trainable_variables)
+                return step.guard.apply(
+                    optimizer, variables, kept, lambda: apply(optimizer, grads, trainable_variables)
+                )
             finally:
                 step.applying = False
 
@@ -386,10 +393,17 @@ def _capturing_stateless(stateless_apply):
         step.claim(_compat.optimizer_variables(optimizer))
         step.before_update()
 
-        def run(grads):
+        def run(grads, kept):
             step.applying = True
             try:
-                return stateless_apply(optimizer, optimizer_variables, grads, values)
+                if step.guard is None:
+                    return stateless_apply(optimizer, optimizer_variables, grads, values)
+                return step.guard.apply_stateless(
+                    optimizer,
+                    kept,
+                    lambda: stateless_apply(optimizer, optimizer_variables, grads, values),
+                    (values, list(optimizer_variables)),
+                )
             finally:
                 step.applying = False
 

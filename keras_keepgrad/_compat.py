@@ -77,6 +77,7 @@ __all__ = [
     "summary_ops",
     "tensor_version",
     "replace_metric_variable",
+    "untrack_metric",
     "untrack_metric_variables",
 ]
 
@@ -187,6 +188,15 @@ def tf_optimizer_class():
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
     return TFOptimizer
+
+
+def untrack_metric(layer, metric):
+    """Removes `metric`, held in an attribute of `layer`, from `layer.metrics`.
+
+    Keras 3.15's `Layer.__delattr__` untracks variables only: a metric
+    stays in the private `_tracker`'s store that `layer.metrics` lists.
+    """
+    layer._tracker.untrack(metric)
 
 
 def replace_metric_variable(metric, old, new):

@@ -11,6 +11,7 @@ from keras_keepgrad import _capture
 from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _saving
+from keras_keepgrad import _skipping
 from keras_keepgrad import _torch_compile
 from keras_keepgrad import backend
 from keras_keepgrad import metrics as metrics_lib
@@ -34,7 +35,10 @@ def _keeping(train_step):
             _torch_compile.eager_context(_restoring_context, self),
             _torch_compile.eager_context(_keeping_context, self),
         ):
-            return train_step(self, *args, **kwargs)
+            guard = _skipping.begin(self, args)
+            if guard is None:
+                return train_step(self, *args, **kwargs)
+            return guard.finish(train_step(self, *args, **kwargs))
 
     # Under `torch.compile` the step's bookkeeping runs eagerly, and
     # `train_step` is compiled on its own.
@@ -188,12 +192,21 @@ class KeepGradModel(backend.Trainer, keras.Model):
             1 + N, 1 + 2N, ... only, to amortize their cost; in between,
             `model.gradients` holds the last written step's gradients.
             Gradient metrics still see every step. Defaults to `1`.
+        skip_bad_steps: None or False (off), True (skip the optimizer
+            update of steps whose kept gradients are non-finite), or a
+            `keras_keepgrad.SkipBadSteps` (also gradient-norm spikes). A
+            skipped step leaves the weights and the optimizer's state
+            untouched, keeps its gradients, and is counted in the logs as
+            `skipped_steps`. Off, the training step is unchanged.
+            Defaults to None.
         **kwargs: Passed on to `keras.Model`.
 
     Raises:
-        TypeError: `keep_gradients` or `save_gradients` is not a bool.
+        TypeError: `keep_gradients` or `save_gradients` is not a bool, or
+            `skip_bad_steps` is none of the above.
         ValueError: `keep_every` is not a positive int; at `fit`, two
-            trainable variables share a path (layers of the same `name`).
+            trainable variables share a path (layers of the same `name`),
+            or `skip_bad_steps` is set but gradients are not kept.
 
     Examples:
         >>> import keras, numpy as np
@@ -226,12 +239,14 @@ class KeepGradModel(backend.Trainer, keras.Model):
         keep_gradients: bool = True,
         save_gradients: bool = False,
         keep_every: int = 1,
+        skip_bad_steps: Any = None,
         **kwargs: Any,
     ) -> None:
         _compat.check_backend(type(self).__name__)
         _checks.check_bool("keep_gradients", keep_gradients)
         _checks.check_bool("save_gradients", save_gradients)
         keep_every = _checks.check_keep_every(keep_every)
+        skip_config = _skipping.config_of(skip_bad_steps)
         if _compat.functional_init_arguments(args, kwargs):
             if not isinstance(self, _compat.Functional):
                 _inject_functional(type(self))
@@ -247,6 +262,9 @@ class KeepGradModel(backend.Trainer, keras.Model):
         self._save_gradients = save_gradients
         self._keep_every = keep_every
         self._keeper = None
+        self._skip_config = None
+        self._skipped_metric = None
+        self._set_skip_config(skip_config)
         self._init_backend_state()
 
     @property
@@ -285,6 +303,33 @@ class KeepGradModel(backend.Trainer, keras.Model):
             self.train_function = None
         self._keep_every = value
 
+    @property
+    def skip_bad_steps(self):
+        """The `SkipBadSteps` that training follows, or None (off).
+
+        Set it to None, False, True or a `SkipBadSteps`, as the
+        constructor's argument; the next `fit` follows it.
+        """
+        return self._skip_config
+
+    @skip_bad_steps.setter
+    def skip_bad_steps(self, value):
+        config = _skipping.config_of(value)
+        if config != self._skip_config:
+            # The training function is traced with or without skipping.
+            self.train_function = None
+            self._set_skip_config(config)
+
+    def _set_skip_config(self, config):
+        self._skip_config = config
+        metric = self._skipped_metric
+        if config is None or metric is None or metric.window != config.window:
+            # Its state: made only where skipping is on, so that a model
+            # that does not skip has no variable or metric more.
+            if metric is not None:
+                _compat.untrack_metric(self, metric)
+            self._skipped_metric = None if config is None else _skipping.SkippedSteps(config.window)
+
     def get_config(self):
         config = super().get_config()
         config.update(
@@ -292,6 +337,8 @@ class KeepGradModel(backend.Trainer, keras.Model):
             save_gradients=self._save_gradients,
             keep_every=self._keep_every,
         )
+        if self._skip_config is not None:
+            config["skip_bad_steps"] = self._skip_config.get_config()
         return config
 
     # Training ----------------------------------------------------------
@@ -323,6 +370,8 @@ class KeepGradModel(backend.Trainer, keras.Model):
         # Before anything changes: a gradient metric would raise in the
         # first step (its updates on PyTorch and eager TensorFlow applied).
         metrics_lib._check_gradients_kept(self)
+        if self._skip_config is not None:
+            _skipping.check_allowed(self)
         if self._keep_gradients:
             # Before `fit` runs a step (on JAX, before it takes the variables'
             # values out of the model for the step): each step checks again.

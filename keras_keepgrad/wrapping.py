@@ -12,7 +12,7 @@ from keras_keepgrad.model import KeepGradModel
 
 __all__ = ["WrappedKeepGradModel", "keep_gradients"]
 
-_OPTIONS = ("keep_gradients", "save_gradients", "keep_every")
+_OPTIONS = ("keep_gradients", "save_gradients", "keep_every", "skip_bad_steps")
 
 
 def _holds_saveable(value):
@@ -166,8 +166,8 @@ def keep_gradients(model: keras.Model, **options: Any) -> "KeepGradModel":
 
     Args:
         model: A `keras.Model`: Sequential, functional or subclassed.
-        **options: `keep_gradients`, `save_gradients` and `keep_every`, as
-            for `KeepGradModel`.
+        **options: `keep_gradients`, `save_gradients`, `keep_every` and
+            `skip_bad_steps`, as for `KeepGradModel`.
 
     Returns:
         A `KeepGradModel`.

@@ -12,9 +12,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-# The training-dynamics cases, shared by the TensorFlow and the other
-# backends' tests, report their failed asserts as test modules do.
-pytest.register_assert_rewrite("dynamics_cases", "report_cases")
+# The training-dynamics, report and skipping cases, shared by the TensorFlow
+# and the other backends' tests, report their failed asserts as test modules do.
+pytest.register_assert_rewrite("dynamics_cases", "report_cases", "skipping_cases")
 
 import keras_keepgrad as kg  # noqa: E402
 

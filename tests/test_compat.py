@@ -98,6 +98,15 @@ def test_replace_metric_variable():
         assert metric.variables[0] is new and len(metric.variables) == 2
 
 
+def test_untrack_metric():
+    layer = keras.layers.Dense(1)
+    layer.canary_metric = keras.metrics.Mean()
+    assert layer.metrics == [layer.canary_metric]
+    with canary("untrack_metric"):
+        _compat.untrack_metric(layer, layer.canary_metric)
+        assert layer.metrics == []
+
+
 def test_tensorflow_pieces():
     with canary("tf_optimizer_class"):
         optimizer_class = _compat.tf_optimizer_class()

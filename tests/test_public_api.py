@@ -8,7 +8,7 @@ import keras
 import keras_keepgrad as kg
 
 SURFACE = {
-    kg: ["KeepGradModel", "callbacks", "keep_gradients", "metrics"],
+    kg: ["KeepGradModel", "SkipBadSteps", "callbacks", "keep_gradients", "metrics"],
     kg.metrics: [
         "GradientCosine",
         "GradientMaxAbs",
@@ -32,8 +32,10 @@ SURFACE = {
 
 SIGNATURES = {
     kg.KeepGradModel.__init__: (
-        "(self, *args, keep_gradients=True, save_gradients=False, keep_every=1, **kwargs)"
+        "(self, *args, keep_gradients=True, save_gradients=False, keep_every=1, "
+        "skip_bad_steps=None, **kwargs)"
     ),
+    kg.SkipBadSteps: "(nonfinite=True, spike_factor=None, window=100)",
     kg.keep_gradients: "(model, **options)",
     kg.KeepGradModel.keep_step_gradients: "(self, grads, variables)",
     kg.KeepGradModel.get_gradients_of: "(self, layer)",
@@ -107,7 +109,14 @@ def test_signatures_are_exactly_the_documented_ones():
 
 def test_the_model_members_and_base_classes():
     assert issubclass(kg.KeepGradModel, keras.Model)
-    for name in ("gradients", "gradient_dtypes", "keep_gradients", "save_gradients", "keep_every"):
+    for name in (
+        "gradients",
+        "gradient_dtypes",
+        "keep_gradients",
+        "save_gradients",
+        "keep_every",
+        "skip_bad_steps",
+    ):
         assert name in dir(kg.KeepGradModel), name
     assert callable(kg.KeepGradModel.get_gradients_by_path)
     assert callable(kg.KeepGradModel.get_gradients_of)

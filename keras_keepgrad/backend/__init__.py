@@ -5,6 +5,8 @@ the names below, which are the running backend's.
 
 - `GradientKeeper`: the backend's `base.Keeper`.
 - `Trainer`: the backend's `base.Trainer`, a base of `KeepGradModel`.
+- `apply_if`: runs an optimizer's `apply` only where a step is not
+  skipped (`_skipping`).
 - `densify`, `unscale`, `current_step_gradients`: reading the gradients
   of the training step being run or traced (`current_step_variables`,
   `current_step_updates` and `reduces_in_step` where the backend has them).
@@ -19,6 +21,7 @@ from keras_keepgrad._capture import nest_by_path
 if _compat.BACKEND == "jax":
     from keras_keepgrad.backend.jax import GradientKeeper
     from keras_keepgrad.backend.jax import Trainer
+    from keras_keepgrad.backend.jax import apply_if
     from keras_keepgrad.backend.jax import current_step_gradients
     from keras_keepgrad.backend.jax import current_step_updates
     from keras_keepgrad.backend.jax import current_step_variables
@@ -27,6 +30,7 @@ if _compat.BACKEND == "jax":
 elif _compat.BACKEND == "torch":
     from keras_keepgrad.backend.torch import GradientKeeper
     from keras_keepgrad.backend.torch import Trainer
+    from keras_keepgrad.backend.torch import apply_if
     from keras_keepgrad.backend.torch import current_step_gradients
     from keras_keepgrad.backend.torch import current_step_updates
     from keras_keepgrad.backend.torch import densify
@@ -38,6 +42,7 @@ else:
     from keras_keepgrad.backend.tensorflow.keeper import current_step_variables
     from keras_keepgrad.backend.tensorflow.keeper import densify
     from keras_keepgrad.backend.tensorflow.keeper import unscale
+    from keras_keepgrad.backend.tensorflow.skipping import apply_if
     from keras_keepgrad.backend.tensorflow.trainer import Trainer
 
 # Optimizer methods that hand gradients to the keeper: on JAX a step's

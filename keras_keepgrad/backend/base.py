@@ -94,7 +94,9 @@ class Keeper:
             variables: The variables it updates.
             grads: The gradients it was given (loss-scaled, if the loss
                 was scaled).
-            apply: Runs the optimizer's own `apply` on a list of gradients.
+            apply: `apply(grads, kept)` runs the optimizer's own `apply` on
+                `grads`; `kept` are the gradients as kept, which decide
+                whether it runs where the model skips bad steps.
 
         Returns:
             What `apply` returns.
@@ -274,6 +276,21 @@ class Trainer:
         """`compile` arguments made elsewhere (a loaded file, a model that
         `keep_gradients()` wraps), adapted to what keeping supports."""
         return config
+
+    def _skip_state_in(self, args, variables):
+        """The values of `variables` (the state of `skip_bad_steps`) as the
+        step with arguments `args` begins."""
+        del args
+        return [ops.convert_to_tensor(v) for v in variables]
+
+    def _skip_state_out(self, result, pairs, logs):
+        """The step's `result`, with `(variable, new value)` `pairs` written
+        and `logs` (`{key: value}`) added to its logs."""
+        for variable, value in pairs:
+            variable.assign(value)
+        if isinstance(result, dict):
+            result = {**result, **logs}
+        return result
 
     def _module_attribute(self, name):
         """An attribute the backend's module machinery holds outside

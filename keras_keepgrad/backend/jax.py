@@ -58,6 +58,7 @@ from keras_keepgrad.backend.base import unscale
 __all__ = [
     "GradientKeeper",
     "Trainer",
+    "apply_if",
     "current_step_gradients",
     "current_step_updates",
     "current_step_variables",
@@ -129,8 +130,9 @@ class GradientKeeper(base.HostCountedKeeper):
             grads: The gradients it was given (loss-scaled, if the loss
                 was scaled).
             values: The trainable variables' values, as passed.
-            apply: Runs the optimizer's own `stateless_apply` on a list of
-                gradients.
+            apply: `apply(grads, kept)` runs the optimizer's own
+                `stateless_apply` on `grads` (`kept`: as for
+                `Keeper.keep_from_optimizer`).
 
         Returns:
             What `apply` returns.
@@ -139,7 +141,7 @@ class GradientKeeper(base.HostCountedKeeper):
         mapping = list(zip(optimizer.variables, optimizer_variables))
         with StatelessScope(state_mapping=mapping):
             kept = unscale(optimizer, variables, grads)
-        new_values, new_optimizer_variables = apply(grads)
+        new_values, new_optimizer_variables = apply(grads, kept)
         step.add(variables, kept, True)
         for variable, before, after in zip(variables, values, new_values):
             step.backend_state.updates[variable.path] = (before, after)
@@ -153,7 +155,7 @@ class GradientKeeper(base.HostCountedKeeper):
         """
         kept = unscale(optimizer, variables, grads)
         before = [ops.convert_to_tensor(v) for v in variables]
-        result = apply(grads)
+        result = apply(grads, kept)
         step.add(variables, kept, True)
         for variable, value in zip(variables, before):
             step.backend_state.updates[variable.path] = (value, ops.convert_to_tensor(variable))
@@ -208,6 +210,25 @@ class GradientKeeper(base.HostCountedKeeper):
     def slot_variables(self):
         """Every array the keeper holds (for tests and saving)."""
         return list(self.slots or ())
+
+
+def apply_if(run, apply, optimizer, variables):
+    """Runs `apply()` (a stateful `apply`), then puts back the values it
+    changed where `run` is false.
+
+    On JAX a stateful `apply` runs eagerly or inside a `StatelessScope`
+    (as `stateless_apply` opens it), where `run` is traced: the update's
+    values are selected, not branched on.
+    """
+    if not optimizer.built:
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(variables)
+    tracked = [*variables, *optimizer.variables]
+    before = [v.value for v in tracked]
+    result = apply()
+    for variable, value in zip(tracked, before):
+        variable.assign(jnp.where(run, variable.value, value))
+    return result
 
 
 def _zeros_like(shapes, layouts):
@@ -330,6 +351,23 @@ class Trainer(base.Trainer):
 
     def _make_keeping_train_function(self, force):
         return make_train_function(self)
+
+    def _skip_state_in(self, args, variables):
+        # The step is pure: the metrics' values come in its `state`.
+        metrics_values = args[0][3]
+        index = {id(v): i for i, v in enumerate(self.metrics_variables)}
+        return [metrics_values[index[id(v)]] for v in variables]
+
+    def _skip_state_out(self, result, pairs, logs):
+        step_logs, state = result
+        trainable, non_trainable, optimizer_values, metrics_values = state
+        metrics_values = list(metrics_values)
+        index = {id(v): i for i, v in enumerate(self.metrics_variables)}
+        for variable, value in pairs:
+            metrics_values[index[id(variable)]] = value
+        if isinstance(step_logs, dict):
+            step_logs = {**step_logs, **logs}
+        return step_logs, (trainable, non_trainable, optimizer_values, metrics_values)
 
     def _restores_state_on_error(self):
         # Steps are pure, and `_reattach` puts back what a raising step took.

@@ -64,6 +64,7 @@ from keras_keepgrad.backend.base import unscale
 __all__ = [
     "GradientKeeper",
     "Trainer",
+    "apply_if",
     "current_step_gradients",
     "current_step_updates",
     "densify",
@@ -173,7 +174,7 @@ class GradientKeeper(base.HostCountedKeeper):
                     kept[i] = kept[i].clone()
             versions = [_compat.tensor_version(grads[i]) for i in shared]
             before = [v.value.detach().clone() for v in variables] if self.record_updates else None
-        result = apply(grads)
+        result = apply(grads, unscaled)
         written = [
             i for i, seen in zip(shared, versions) if _compat.tensor_version(grads[i]) != seen
         ]
@@ -239,6 +240,19 @@ class GradientKeeper(base.HostCountedKeeper):
     def slot_variables(self):
         """Every tensor the keeper holds (for tests and saving)."""
         return list((self.slots or {}).values())
+
+
+def apply_if(run, apply, optimizer, variables):
+    """Runs `apply()` (the optimizer's `apply`) where `run` is true.
+
+    The step's bookkeeping runs eagerly, also under `torch.compile`
+    (`_torch_compile`), so a Python `if` decides; reading `run` waits for
+    the gradients, as a `LossScaleOptimizer`'s own check does.
+    """
+    del optimizer, variables
+    if bool(run):
+        return apply()
+    return None
 
 
 class Trainer(base.Trainer):

@@ -15,6 +15,7 @@ import tensorflow as tf
 from keras_keepgrad import _checks
 from keras_keepgrad import _stats
 from keras_keepgrad.callbacks import _reading
+from keras_keepgrad.callbacks import _skipped
 from keras_keepgrad.callbacks import heatmap
 from keras_keepgrad.callbacks import panels
 
@@ -166,6 +167,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self._heatmap = None
         self._layout_written = False
         self._warned = False
+        self._skipped = _skipped.SkippedMarks()
 
     def set_model(self, model):
         # Before making the log directory: a plain model gets nothing
@@ -278,6 +280,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
     def on_epoch_begin(self, epoch, logs=None):
         super().on_epoch_begin(epoch, logs)
         self._steps.begin_epoch(epoch)
+        self._skipped.begin_epoch()
         self._epoch_first_step = self._steps.step
 
     def on_train_batch_end(self, batch, logs=None):
@@ -289,6 +292,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         if isinstance(logs, dict) and self.update_freq != "epoch":
             self._guarded(self._write_batch_logs, logs)
         previous = self._steps.end_batch(batch, self.params)
+        self._guarded(self._skipped.write, self._train_writer, logs, self._steps.step)
         if self.update_freq != "epoch" and _reading.crossed(
             previous, self._steps.step, self.update_freq
         ):

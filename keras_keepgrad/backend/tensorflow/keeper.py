@@ -233,7 +233,7 @@ class GradientKeeper(xla.DeferredSparseWrites, base.Keeper):
             # The update's own ops tell which sparse gradients it densifies:
             # trace it first, then make the slots (all writes under XLA,
             # where the order is XLA's).
-            result = apply(distribute.agree_on_skip(optimizer, grads))
+            result = apply(distribute.agree_on_skip(optimizer, grads), kept)
             graph = tf.compat.v1.get_default_graph()
             self.dense_paths.update(xla.densified_in(graph, kept, variables))
             kept, reduced, _ = self.store(variables, kept, step)
@@ -251,7 +251,7 @@ class GradientKeeper(xla.DeferredSparseWrites, base.Keeper):
                     if k is g and p is not None
                 }
             try:
-                result = apply(passed)
+                result = apply(passed, kept)
             finally:
                 state.passed = {}
         self._record(step, variables, kept, reduced)

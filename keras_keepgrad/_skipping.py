@@ -1,0 +1,289 @@
+"""Skipping the optimizer update of a bad training step (`skip_bad_steps`).
+
+Backend-neutral. A step is judged where its gradients are kept: at each
+optimizer's `apply` (`stateless_apply` on JAX), from the kept gradients
+(unscaled, before any optimizer transformation). A bad step's update does
+not run (TensorFlow: a `tf.cond`; PyTorch: a Python `if`, the step's
+bookkeeping runs eagerly there anyway; JAX: the step's outputs select the
+old values), so the weights and the optimizer's variables, its iteration
+count included, stay bit-identical, as a `LossScaleOptimizer` leaves them
+on a step it skips. Its gradients are still kept: they are the evidence.
+
+The running state (the recent norms, the epoch's count of skipped steps)
+lives in a `keras.metrics.Metric` that the model tracks, so that every
+backend carries it as it carries the metrics' state (on JAX, through the
+pure step's `metrics_variables`), and `fit` resets the count each epoch as
+it resets the metrics. The recent norms are not reset.
+"""
+
+import keras
+from keras import ops
+
+from keras_keepgrad import _capture
+from keras_keepgrad import _checks
+from keras_keepgrad import _compat
+from keras_keepgrad import _torch_compile
+from keras_keepgrad import backend
+
+__all__ = ["LOG_KEY", "SkipBadSteps", "begin", "check_allowed", "config_of"]
+
+# The log key of the count of skipped steps (per epoch, cumulative).
+LOG_KEY = "skipped_steps"
+
+
+@keras.saving.register_keras_serializable(package="keras_keepgrad")
+class SkipBadSteps:
+    """When a `KeepGradModel` skips a training step's optimizer update.
+
+    Pass it as `KeepGradModel(..., skip_bad_steps=kg.SkipBadSteps(...))`
+    (`skip_bad_steps=True` means the defaults: non-finite steps only). A
+    step is bad when its kept gradients (what the optimizer's update
+    receives: loss scale divided out, before clipping or weight decay)
+    hold a NaN or an infinity (`nonfinite=True`), or when their global
+    norm exceeds `spike_factor` times the median of the global norms of
+    the last `window` steps. The median is only consulted once `window`
+    finite norms were seen; every step with a finite norm, skipped or not,
+    joins them (so a lasting change of scale is followed, after about
+    `window / 2` steps, rather than skipped forever).
+
+    On a bad step the optimizer's update does not run: the weights and
+    the optimizer's variables (moments, iteration count) are left exactly
+    as they were. Under a `LossScaleOptimizer`, a non-finite step is
+    handed to it as usual, which skips the update itself and halves its
+    loss scale (skipping that too would keep the scale too high forever);
+    it is counted as skipped all the same. The gradients of a skipped step
+    are still kept, in `model.gradients` and the gradient metrics.
+
+    `fit` logs the skipped steps of the epoch so far as `skipped_steps`.
+
+    Args:
+        nonfinite: Bool. Skip steps whose kept gradients hold a NaN or an
+            infinity. Defaults to `True`.
+        spike_factor: Float above 1, or None (off). Skip steps whose
+            global gradient norm is more than `spike_factor` times the
+            median of the last `window` steps' norms. Defaults to None.
+        window: Int, at least 1. How many recent norms the median is
+            taken over. Defaults to `100`.
+
+    Raises:
+        TypeError: `nonfinite` is not a bool.
+        ValueError: `spike_factor` is not a finite number above 1 (or
+            None), `window` is not a positive int, or nothing is checked
+            (`nonfinite=False` and `spike_factor=None`).
+    """
+
+    def __init__(
+        self, nonfinite: bool = True, spike_factor: float | None = None, window: int = 100
+    ) -> None:
+        self.nonfinite = _checks.check_bool("nonfinite", nonfinite)
+        self.spike_factor = _checks.check_positive_float("spike_factor", spike_factor, above=1.0)
+        self.window = _checks.check_positive_int("window", window)
+        if not self.nonfinite and self.spike_factor is None:
+            raise ValueError(
+                "`SkipBadSteps` with `nonfinite=False` and `spike_factor=None` "
+                "checks nothing. Set `spike_factor` (e.g. 10.0), keep "
+                "`nonfinite=True`, or pass `skip_bad_steps=None` to turn "
+                "skipping off."
+            )
+
+    def get_config(self):
+        return {
+            "nonfinite": self.nonfinite,
+            "spike_factor": self.spike_factor,
+            "window": self.window,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def __eq__(self, other):
+        return isinstance(other, SkipBadSteps) and self.get_config() == other.get_config()
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"SkipBadSteps({args})"
+
+
+def config_of(value):
+    """The `SkipBadSteps` that `skip_bad_steps=value` means, or None (off)."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return SkipBadSteps()
+    if isinstance(value, SkipBadSteps):
+        return value
+    if isinstance(value, dict):
+        # As `get_config()` saved it.
+        return SkipBadSteps.from_config(value)
+    raise TypeError(
+        "`skip_bad_steps` must be None or False (off), True (skip non-finite "
+        "steps) or a `keras_keepgrad.SkipBadSteps(...)`. Received: "
+        f"skip_bad_steps={value!r} of type {type(value).__name__}"
+    )
+
+
+class SkippedSteps(keras.metrics.Metric):
+    """The state of `skip_bad_steps`: the epoch's count, the recent norms.
+
+    Logged as `skipped_steps` in training only (absent from `evaluate()`
+    and the `val_` logs). `reset_state` (each epoch) resets the count, not
+    the recent norms.
+    """
+
+    def __init__(self, window, name=LOG_KEY):
+        super().__init__(name=name, dtype="float32")
+        self.window = window
+        self.skipped = self.add_variable(shape=(), initializer="zeros", name="skipped")
+        # Training steps since the last reset: nothing is logged before one.
+        self.steps = self.add_variable(shape=(), initializer="zeros", name="steps")
+        self.norms = self.add_variable(shape=(window,), initializer="zeros", name="norms")
+        self.recorded = self.add_variable(shape=(), initializer="zeros", name="recorded")
+        self.position = self.add_variable(shape=(), initializer="zeros", name="position")
+        self.names = ("skipped", "steps", "norms", "recorded", "position")
+
+    def state_variables(self):
+        return [getattr(self, n) for n in self.names]
+
+    def reset_state(self):
+        self.skipped.assign(0.0)
+        self.steps.assign(0.0)
+
+    def update_state(self, *args, **kwargs):
+        """Updated by the training step itself (`Guard.finish`)."""
+
+    def result(self):
+        if _capture.in_evaluation_step() or _compat.in_symbolic_build():
+            return {}
+        if _capture.current_step() is None and float(ops.convert_to_numpy(self.steps)) == 0.0:
+            return {}
+        # A copy: Keras's PyTorch trainer holds the epoch's results through
+        # validation, which resets the variables in place.
+        return {self.name: ops.copy(ops.convert_to_tensor(self.skipped))}
+
+    result = _torch_compile.eager(result)
+
+    def get_config(self):
+        return {"name": self.name, "window": self.window}
+
+
+def check_allowed(model):
+    """Raises, before training, if `model` cannot skip bad steps as set up."""
+    if not model.keep_gradients:
+        raise ValueError(
+            f"Model {model.name!r} skips bad steps (`skip_bad_steps`), which "
+            "judges each step by its kept gradients, but keeps no gradients "
+            "(`keep_gradients=False`). Set `model.keep_gradients = True`, or "
+            "`model.skip_bad_steps = None`."
+        )
+    strategy = getattr(model, "distribute_strategy", None)
+    if strategy is not None and strategy.num_replicas_in_sync > 1:
+        raise ValueError(
+            "`skip_bad_steps` is not supported under a `tf.distribute` strategy "
+            f"with several replicas. Received: {type(strategy).__name__} of "
+            f"{strategy.num_replicas_in_sync} replicas for model {model.name!r}. "
+            "Train on one replica, or set `model.skip_bad_steps = None`."
+        )
+
+
+@_torch_compile.eager
+def begin(model, args):
+    """The `Guard` of `model`'s training step being opened, or None.
+
+    None where the model does not skip, or in a step that another of its
+    steps calls (the outer one judges).
+    """
+    step = _capture.current_step()
+    config = model._skip_config
+    if config is None or step is None or step.model is not model or step.guard is not None:
+        return None
+    metric = model._skipped_metric
+    values = model._skip_state_in(args, metric.state_variables())
+    step.guard = Guard(model, config, dict(zip(metric.names, values)))
+    return step.guard
+
+
+class Guard:
+    """Judges one training step's updates; holds its skipping state.
+
+    Args:
+        model: The model whose step it is.
+        config: Its `SkipBadSteps`.
+        state: `{name: tensor}` of the `SkippedSteps` variables as the
+            step begins.
+    """
+
+    def __init__(self, model, config, state):
+        self.model = model
+        self.config = config
+        self.state = state
+        self.bad = None  # whether an update of the step was skipped
+        self.judged = 0
+
+    def _judge(self, optimizer, kept):
+        """Whether to run the update of `kept`; records the step's badness."""
+        config = self.config
+        self.judged += 1
+        if config.spike_factor is not None and self.judged > 1:
+            raise ValueError(
+                f"The training step of model {self.model.name!r} called an "
+                "optimizer's `apply` more than once, and `skip_bad_steps` "
+                "with a `spike_factor` compares one global gradient norm per "
+                "step with those of recent steps. Apply all gradients in "
+                "one call, or use `SkipBadSteps(spike_factor=None)` (each "
+                "update is then skipped on non-finite gradients of its own)."
+            )
+        grads = [ops.cast(backend.densify(g), "float32") for g in kept]
+        finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))
+        bad = ops.logical_not(finite) if config.nonfinite else ops.convert_to_tensor(False)
+        if config.spike_factor is not None:
+            state = self.state
+            squares = ops.stack([ops.sum(ops.square(g)) for g in grads])
+            norm = ops.sqrt(ops.sum(squares))
+            window = config.window
+            ordered = ops.sort(state["norms"])
+            median = (ordered[(window - 1) // 2] + ordered[window // 2]) / 2.0
+            spike = ops.logical_and(
+                ops.greater_equal(state["recorded"], float(window)),
+                ops.greater(norm, config.spike_factor * median),
+            )
+            bad = ops.logical_or(bad, spike)
+            # Every finite norm joins the window, that of a skipped spike too.
+            joins = ops.logical_and(finite, ops.isfinite(norm))
+            at = ops.equal(ops.arange(window, dtype="float32"), state["position"])
+            state["norms"] = ops.where(ops.logical_and(joins, at), norm, state["norms"])
+            state["position"] = ops.where(
+                joins, ops.mod(state["position"] + 1.0, float(window)), state["position"]
+            )
+            state["recorded"] = ops.where(
+                joins, ops.minimum(state["recorded"] + 1.0, float(window)), state["recorded"]
+            )
+        self.bad = bad if self.bad is None else ops.logical_or(self.bad, bad)
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            # It skips non-finite updates itself, and lowers its scale.
+            return ops.logical_or(ops.logical_not(bad), ops.logical_not(finite))
+        return ops.logical_not(bad)
+
+    def apply(self, optimizer, variables, kept, apply):
+        """Runs `apply()` (a stateful `apply`) unless the update is bad."""
+        return backend.apply_if(self._judge(optimizer, kept), apply, optimizer, variables)
+
+    def apply_stateless(self, optimizer, kept, apply, unchanged):
+        """`apply()` (a `stateless_apply`), or `unchanged` if the update is bad."""
+        run = self._judge(optimizer, kept)
+        return keras.tree.map_structure(
+            lambda new, old: ops.where(run, new, old), apply(), unchanged
+        )
+
+    @_torch_compile.eager
+    def finish(self, result):
+        """The step's result, with its skipping state and `skipped_steps`."""
+        state = self.state
+        bad = ops.convert_to_tensor(False) if self.bad is None else self.bad
+        state["skipped"] = state["skipped"] + ops.cast(bad, "float32")
+        state["steps"] = state["steps"] + 1.0
+        metric = self.model._skipped_metric
+        # The recent norms change only where spikes are checked: no write else.
+        names = metric.names if self.config.spike_factor is not None else ("skipped", "steps")
+        pairs = [(getattr(metric, n), state[n]) for n in names]
+        return self.model._skip_state_out(result, pairs, {LOG_KEY: state["skipped"]})

@@ -1,0 +1,21 @@
+"""`skip_bad_steps` on JAX and PyTorch: the shared cases (`skipping_cases`)."""
+
+import keras
+import pytest
+import skipping_cases as cases
+
+assert keras.backend.backend() in ("jax", "torch"), "run with KERAS_BACKEND=jax or torch"
+
+CASES = [
+    cases.nan_step_leaves_the_state_bit_identical,
+    cases.spike_above_the_factor_is_skipped_below_it_is_not,
+    cases.history_counts_the_skipped_steps_per_epoch,
+    cases.own_train_step_is_guarded,
+    cases.off_changes_nothing,
+    cases.under_loss_scaling,
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+def test_skipping(case, mode):
+    case(mode)

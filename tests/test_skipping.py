@@ -1,0 +1,161 @@
+"""`skip_bad_steps` on TensorFlow: the shared cases (`skipping_cases`), in
+eager, graph and XLA steps, and what is TensorFlow's or backend-free
+(arguments, saving, TensorBoard, strategies)."""
+
+import os
+import re
+
+import keras
+import numpy as np
+import pytest
+import skipping_cases as cases
+import tensorflow as tf
+from conftest import REPO
+from conftest import X
+from conftest import Y
+from conftest import one_weight
+
+import keras_keepgrad as kg
+from keras_keepgrad.callbacks import _skipped
+
+CASES = [
+    cases.nan_step_leaves_the_state_bit_identical,
+    cases.spike_above_the_factor_is_skipped_below_it_is_not,
+    cases.history_counts_the_skipped_steps_per_epoch,
+    cases.own_train_step_is_guarded,
+    cases.off_changes_nothing,
+    cases.under_loss_scaling,
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+def test_skipping(case, mode):
+    case(mode)
+
+
+def test_arguments_are_checked_with_their_names():
+    with pytest.raises(TypeError, match=r"skip_bad_steps=.yes. of type str"):
+        one_weight(skip_bad_steps="yes")
+    with pytest.raises(ValueError, match=r"`spike_factor` must be a finite number above 1"):
+        kg.SkipBadSteps(spike_factor=1.0)
+    with pytest.raises(ValueError, match=r"`window` must be a positive int. Received: window=0"):
+        kg.SkipBadSteps(window=0)
+    with pytest.raises(TypeError, match=r"`nonfinite` must be a bool"):
+        kg.SkipBadSteps(nonfinite=1)
+    with pytest.raises(ValueError, match=r"checks nothing"):
+        kg.SkipBadSteps(nonfinite=False)
+    model = one_weight(skip_bad_steps=True)
+    with pytest.raises(TypeError, match=r"Received: skip_bad_steps=3"):
+        model.skip_bad_steps = 3
+    assert model.skip_bad_steps == kg.SkipBadSteps()
+
+
+def test_skipping_needs_kept_gradients():
+    model = one_weight(keep_gradients=False, skip_bad_steps=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.raises(ValueError, match=r"keeps no gradients \(`keep_gradients=False`\)"):
+        model.fit(X, Y, verbose=0)
+    # Refused before anything ran: w is 3 still.
+    assert float(model.weights[0].numpy()[0, 0]) == 3.0
+
+
+def test_several_replicas_are_refused():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = one_weight(skip_bad_steps=True)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.raises(ValueError, match=r"MirroredStrategy of 2 replicas"):
+        model.fit(X, Y, verbose=0)
+
+
+def test_a_spike_factor_needs_one_apply_per_step():
+    class TwoApplies(kg.KeepGradModel):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((self(x) - y) ** 2)
+            grads = tape.gradient(loss, self.trainable_variables)
+            for grad, variable in zip(grads, self.trainable_variables):
+                self.optimizer.apply([grad], [variable])
+            return {"loss": loss}
+
+    inputs = keras.Input((1,))
+    hidden = keras.layers.Dense(1, use_bias=False, name="a")(inputs)
+    model = TwoApplies(
+        inputs,
+        keras.layers.Dense(1, use_bias=False, name="b")(hidden),
+        skip_bad_steps=kg.SkipBadSteps(spike_factor=10.0),
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    # Each `apply` gets some of the variables: built for all first.
+    model.optimizer.build(model.trainable_variables)
+    with pytest.raises(ValueError, match=r"called an optimizer's `apply` more than once"):
+        model.fit(X, Y, verbose=0)
+    # Non-finite checks judge each `apply` alone.
+    model.skip_bad_steps = True
+    history = model.fit(np.array([[np.nan], [2.0]], "float32"), Y, verbose=0)
+    assert history.history["skipped_steps"] == [1.0]
+
+
+def test_config_and_saving_round_trip(tmp_path):
+    model = one_weight(skip_bad_steps=kg.SkipBadSteps(spike_factor=4.0, window=7))
+    assert model.get_config()["skip_bad_steps"] == {
+        "nonfinite": True,
+        "spike_factor": 4.0,
+        "window": 7,
+    }
+    assert "skip_bad_steps" not in one_weight().get_config()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(X, Y, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.skip_bad_steps == kg.SkipBadSteps(spike_factor=4.0, window=7)
+    history = loaded.fit(np.array([[np.nan], [2.0]], "float32"), Y, verbose=0)
+    assert history.history["skipped_steps"] == [1.0]
+    assert float(loaded.weights[0].numpy()[0, 0]) == 1.5
+
+
+def test_keep_gradients_wrapper_takes_the_option():
+    plain = one_weight(cls=keras.Model)
+    model = kg.keep_gradients(plain, skip_bad_steps=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    history = model.fit(np.array([[np.nan], [2.0]], "float32"), Y, verbose=0)
+    assert history.history["skipped_steps"] == [1.0]
+    assert float(plain.weights[0].numpy()[0, 0]) == 3.0
+
+
+def test_tensorboard_marks_the_skipped_steps(tmp_path):
+    """Batches 1, NaN, 1, NaN: steps 2 and 4 are marked, once each, with
+    the default `update_freq="epoch"` too."""
+    log_dir = str(tmp_path / "logs")
+    model = one_weight(skip_bad_steps=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    nan = np.array([[np.nan], [2.0]], "float32")
+    model.fit(
+        np.concatenate([X, nan, X, nan]),
+        np.zeros((8, 1), "float32"),
+        batch_size=2,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kg.callbacks.GradientTensorBoard(log_dir)],
+    )
+    from tensorboard.backend.event_processing import event_accumulator
+
+    acc = event_accumulator.EventAccumulator(
+        str(tmp_path / "logs" / "train"), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    acc.Reload()
+    marks = [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in acc.Tensors(_skipped.TAG)]
+    assert marks == [(2, 1.0), (4, 1.0), (6, 1.0), (8, 1.0)]
+    epochs = [float(tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors("epoch_skipped_steps")]
+    assert epochs == [2.0, 2.0]
+
+
+def test_the_docs_example_runs_and_prints_its_comments(capsys):
+    with open(os.path.join(REPO, "docs", "skipping.md")) as f:
+        text = f.read()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    exec(compile(code, "docs/skipping.md", "exec"), {})
+    assert capsys.readouterr().out.splitlines() == ["[2.0]", "4"]
