@@ -80,7 +80,7 @@ ARGUMENTS = [
 
 
 @pytest.mark.parametrize(
-    "metric, arguments", zip(ALL, ARGUMENTS), ids=lambda m: getattr(m, "name", "")
+    "metric, arguments", list(zip(ALL, ARGUMENTS)), ids=lambda m: getattr(m, "name", "")
 )
 def test_config_round_trip(metric, arguments):
     config = metric.get_config()
