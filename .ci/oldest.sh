@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The oldest tested set (README's "Tested with"): in a fresh venv, install it
+# as a user would have it, then this package, and check that installing the
+# package moved none of it; run the fast suite (`-m "not slow"`) on
+# TensorFlow, JAX and PyTorch. CI's full suite covers the newest set.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+start=$SECONDS
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+python3 -m venv "$work/venv"
+# shellcheck disable=SC1091
+source "$work/venv/bin/activate"
+export PIP_QUIET=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+# torch==2.13.0 is the CPU wheel this machine carries (a bare `torch` would
+# take the multi-GB CUDA build).
+oldest=(keras==3.10.0 tensorflow-cpu==2.19.0 tensorboard==2.19.0 jax==0.6.0 jaxlib==0.6.0 torch==2.13.0)
+python -m pip install "${oldest[@]}"
+versions() {
+    python -c 'import importlib.metadata as m, sys; print(*(n + "==" + m.version(n) for n in sys.argv[1:]))' \
+        keras tensorflow-cpu tensorboard jax jaxlib torch numpy
+}
+before="$(versions)"
+# `test`: pytest, and the JAX and PyTorch the backend suites need.
+python -m pip install -e "$repo[cpu,test]"
+if [ "$(versions)" != "$before" ]; then
+    echo "installing keras_keepgrad moved: $before -> $(versions)" >&2
+    exit 1
+fi
+echo "oldest set, unmoved by the install: $before ($((SECONDS - start)) s)"
+cd "$repo"
+python -m pytest -q -m "not slow" -p no:cacheprovider
+KERAS_BACKEND=jax XLA_FLAGS=--xla_force_host_platform_device_count=2 \
+    python -m pytest -q -m "not slow" -p no:cacheprovider tests/jax_backend tests/any_backend
+KERAS_BACKEND=torch \
+    python -m pytest -q -m "not slow" -p no:cacheprovider tests/torch_backend tests/any_backend
+echo "oldest set: installed and tested in $((SECONDS - start)) s"
