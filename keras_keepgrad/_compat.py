@@ -174,6 +174,7 @@ __all__ = [
     "functional_init_arguments",
     "functional_structure",
     "in_symbolic_build",
+    "last_batch_of_execution",
     "make_function",
     "minor_version",
     "model_strategy",
@@ -363,3 +364,16 @@ def summary_ops():
     from tensorflow.python.ops import gen_summary_ops
 
     return gen_summary_ops
+
+
+def last_batch_of_execution(batch, steps_per_execution):
+    """The 0-based index, in the epoch, of the last batch of an execution.
+
+    Keras 3.11 to 3.15 pass it to `on_train_batch_end`; Keras 3.10 passes
+    the execution's first batch instead (its epoch iterator yields one
+    index per execution), so with `steps_per_execution=N` the last one is
+    N - 1 later (the caller clamps a partial last execution to the epoch).
+    """
+    if KERAS_VERSION < (3, 11):
+        return batch + steps_per_execution - 1
+    return batch

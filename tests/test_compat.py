@@ -158,3 +158,16 @@ def test_tensor_version():
         before = _compat.tensor_version(tensor)
         tensor.add_(1.0)
         assert _compat.tensor_version(tensor) == before + 1
+
+
+def test_last_batch_of_execution():
+    seen = []
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(batch)
+    )
+    model.fit(np.zeros((8, 1)), np.zeros((8, 1)), batch_size=2, verbose=0, callbacks=[record])
+    with canary("last_batch_of_execution"):
+        # 4 batches, 2 per execution: Keras calls back after batches 1 and 3.
+        assert [_compat.last_batch_of_execution(b, 2) for b in seen] == [1, 3]

@@ -257,7 +257,9 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self._logs = logs if isinstance(logs, dict) else None
         if isinstance(logs, dict) and self.update_freq != "epoch":
             self._guarded(self._write_batch_logs, logs)
-        previous = self._steps.end_batch(batch, self.params)
+        previous = self._steps.end_batch(
+            batch, self.params, getattr(self.model, "steps_per_execution", 1)
+        )
         if self.update_freq != "epoch" and _reading.crossed(
             previous, self._steps.step, self.update_freq
         ):
