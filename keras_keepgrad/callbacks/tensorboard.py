@@ -49,7 +49,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
       kept step the norms are labelled with.
     - `<variable path>/gradient`: histograms of the finite gradient values,
       beside Keras's `<variable path>/histogram` of the weights (the same
-      TensorBoard category); every `histogram_freq` epochs from the epoch's
+      TensorBoard category; Keras before 3.14 names those by the weight's
+      name alone); every `histogram_freq` epochs from the epoch's
       last batch, at the epoch step, or with `gradient_histogram_freq=N`
       every N training batches, at the batch step. Where the gradient held
       NaN or inf, also `<variable path>/gradient_nonfinite`: -1 per -inf
