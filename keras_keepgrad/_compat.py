@@ -172,6 +172,7 @@ __all__ = [
     "collective_multi_worker",
     "data_spec_from_epoch_iterator",
     "functional_init_arguments",
+    "follow_state_shardings",
     "functional_structure",
     "in_symbolic_build",
     "last_batch_of_execution",
@@ -377,3 +378,30 @@ def last_batch_of_execution(batch, steps_per_execution):
     if KERAS_VERSION < (3, 11):
         return batch + steps_per_execution - 1
     return batch
+
+
+_STATE_SHARDINGS = (
+    "_trainable_variable_shardings",
+    "_non_trainable_variable_shardings",
+    "_optimizer_variable_shardings",
+    "_metrics_variable_shardings",
+)
+
+
+def follow_state_shardings(model, state):
+    """Keras 3.10 and 3.11 (JAX): the recorded shardings cover all of `state`.
+
+    Their `train_step` constrains each of the state's arrays to the sharding
+    `fit` recorded for it before the first step (private attributes, one
+    list per part of the state), by index. A gradient metric that makes its
+    state once it knows the trainable variables adds metric variables after
+    that, which have none recorded: a part whose count changed takes the
+    shardings of `state`'s (concrete) arrays. Later releases pass the
+    shardings to `jax.jit` instead (`state_sharding_spec`).
+    """
+    if KERAS_VERSION >= (3, 12):
+        return
+    for attribute, values in zip(_STATE_SHARDINGS, state):
+        recorded = getattr(model, attribute, None)
+        if recorded is not None and len(recorded) != len(values):
+            setattr(model, attribute, [value.sharding for value in values])

@@ -149,6 +149,27 @@ def test_jax_trainer_methods():
             assert _compat.state_sharding_spec(None) is None
         else:
             assert callable(JAXTrainer._get_state_sharding_spec)
+    with canary("follow_state_shardings"):
+        import inspect
+
+        if _compat.KERAS_VERSION < (3, 12):
+            # The lists the step constrains the state to, which fit records.
+            recorded = inspect.getsource(JAXTrainer._clear_jax_state_sharding)
+            assert all(f"self.{name} = None" in recorded for name in _compat._STATE_SHARDINGS)
+
+        class Recorded:
+            _metrics_variable_shardings = ["one"]
+
+        model = Recorded()
+        value = tf.zeros(())  # stands for an array: only its count is compared
+        _compat.follow_state_shardings(model, ([], [], [], [value]))
+        assert model._metrics_variable_shardings == ["one"]
+        if _compat.KERAS_VERSION < (3, 12):
+            import jax
+
+            array = jax.numpy.zeros(())
+            _compat.follow_state_shardings(model, ([], [], [], [array, array]))
+            assert model._metrics_variable_shardings == [array.sharding] * 2
 
 
 def test_tensor_version():
