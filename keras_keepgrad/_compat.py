@@ -315,9 +315,18 @@ def optimizer_variables(optimizer):
     Written against Keras 3.15: `optimizer.apply(grads)` without variables,
     and `stateless_apply`'s `trainable_variables` values, pair with the
     private `_trainable_variables` that `build` stored; no public attribute
-    lists them (`optimizer.variables` are its own state).
+    lists them (`optimizer.variables` are its own state). Before Keras 3.12
+    a `LossScaleOptimizer`'s `build` stores none on itself, only on its
+    inner optimizer, which its updates pass them to.
     """
-    return list(optimizer._trainable_variables)
+    variables = getattr(optimizer, "_trainable_variables", None) or []
+    if (
+        not variables
+        and KERAS_VERSION < (3, 12)
+        and isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    ):
+        variables = optimizer.inner_optimizer._trainable_variables
+    return list(variables)
 
 
 def state_sharding_spec(model):

@@ -87,6 +87,9 @@ def test_optimizer_variables():
     optimizer.build([variable])
     with canary("optimizer_variables"):
         assert _compat.optimizer_variables(optimizer) == [variable]
+        scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+        scaled.build([variable])
+        assert _compat.optimizer_variables(scaled) == [variable]
 
 
 def test_replace_metric_variable():
