@@ -114,7 +114,13 @@ def test_steps_from_a_mixin_keep_and_evaluate_as_the_classs_own():
     assert kernel(model) == 15.0
     # Evaluation skips the gradient metric, as for the class's own steps:
     # mse at w = 1.5 is 1.5^2 * 2.5.
-    assert model.evaluate(X, Y, verbose=0, return_dict=True) == {"loss": 5.625}
+    result = model.evaluate(X, Y, verbose=0, return_dict=True)
+    if _compat.KERAS_VERSION < (3, 14):
+        # Keras before 3.14 returns a custom step's logs as the step returned
+        # them, nested and unconverted: the skipped metric's result is empty.
+        assert result["compile_metrics"] == {"grad_norm": {}}
+        result = {"loss": float(result["loss"])}
+    assert result == {"loss": 5.625}
 
 
 def test_the_guides_step_under_mixed_float16_keeps_unscaled_float32():
