@@ -35,6 +35,9 @@ python -m pytest -q -m "not slow" -p no:cacheprovider \
     --deselect tests/test_keras_suite.py::test_kept_trainer_test_mixes_the_layer_in_first
 KERAS_BACKEND=jax XLA_FLAGS=--xla_force_host_platform_device_count=2 \
     python -m pytest -q -m "not slow" -p no:cacheprovider tests/jax_backend tests/any_backend
+# `jit_compile=True` on PyTorch needs Keras 3.12+ beside PyTorch 2.13: plain
+# Keras 3.10's compiled step fails in TorchDynamo (docs/backends.md).
 KERAS_BACKEND=torch \
-    python -m pytest -q -m "not slow" -p no:cacheprovider tests/torch_backend tests/any_backend
+    python -m pytest -q -m "not slow" -p no:cacheprovider -k "not jit" \
+    tests/torch_backend tests/any_backend
 echo "oldest set: installed and tested in $((SECONDS - start)) s"
