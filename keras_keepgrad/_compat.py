@@ -1,14 +1,112 @@
 """The few private Keras pieces this package needs, in one place.
 
-Written against Keras 3.15 (TensorFlow, JAX and PyTorch backends). Each helper
-names what it reaches for and why no public API serves.
+Tested with Keras 3.10 to 3.15 and TensorFlow 2.19 to 2.21 (TensorFlow, JAX
+and PyTorch backends). Each helper names what it reaches for and why no
+public API serves; where a name moved between those releases, the helper
+has a branch per release.
 """
 
+import importlib.metadata
+import re
+import sys
+import warnings
+
 import keras
-from keras.src.backend.common.symbolic_scope import in_symbolic_scope
-from keras.src.models.functional import Functional
-from keras.src.models.model import functional_init_arguments
-from keras.src.saving.keras_saveable import KerasSaveable
+
+# The oldest and newest (major, minor) releases the tests run on. Older ones
+# lack private names this package reaches for; newer ones may have moved them.
+TESTED_RANGES = {"Keras": ((3, 10), (3, 15)), "TensorFlow": ((2, 19), (2, 21))}
+
+
+def minor_version(version):
+    """`(major, minor)` of a version string such as "3.10.0" or "2.21.0rc1"."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def tensorflow_version():
+    """The installed TensorFlow's version, or None, without importing it.
+
+    On JAX and PyTorch, TensorFlow only writes TensorBoard's event files and
+    is imported when a callback does; its version is read from whichever of
+    its wheels is installed.
+    """
+    tf = sys.modules.get("tensorflow")
+    if getattr(tf, "__version__", None):
+        return tf.__version__
+    for distribution in ("tensorflow", "tensorflow-cpu", "tensorflow-intel", "tf-nightly"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _range_text(name):
+    (low, high) = TESTED_RANGES[name]
+    return f"{name} {low[0]}.{low[1]} to {high[0]}.{high[1]}"
+
+
+def _pip_pin(name):
+    (low, high) = TESTED_RANGES[name]
+    package = "keras" if name == "Keras" else "tensorflow"
+    return f"pip install '{package}>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}'"
+
+
+def check_versions(keras_version=None, tf_version=None):
+    """Refuses a Keras or TensorFlow older than the tested range, warns on a newer one.
+
+    Called as `keras_keepgrad` is imported, so that a release this package
+    was not tested with is named then, not met as a missing private name in
+    the middle of `fit`. An older release lacks names the helpers below
+    reach for (ImportError); a newer one may still work (a warning).
+    """
+    versions = {
+        "Keras": keras.__version__ if keras_version is None else keras_version,
+        "TensorFlow": tensorflow_version() if tf_version is None else tf_version,
+    }
+    tested = f"{_range_text('Keras')} and {_range_text('TensorFlow')}"
+    for name, version in versions.items():
+        found = minor_version(version) if version else None
+        if found is None:
+            continue
+        low, high = TESTED_RANGES[name]
+        if found < low:
+            raise ImportError(
+                f"keras_keepgrad supports {tested}. Received: {name} {version}, "
+                f"which lacks private {name} names it uses. Upgrade it: {_pip_pin(name)}"
+            )
+        if found > high:
+            warnings.warn(
+                f"keras_keepgrad is tested with {tested}. Received: {name} {version}, "
+                f"newer than the tested range: a private {name} name it uses may have "
+                f"moved and fail during training. To stay in the tested range: "
+                f"{_pip_pin(name)}",
+                stacklevel=2,
+            )
+
+
+def _import_error(e):
+    """`e` (a private Keras or TensorFlow module that did not import), with the range."""
+    return ImportError(
+        f"keras_keepgrad supports {_range_text('Keras')} and {_range_text('TensorFlow')}; "
+        f"with Keras {keras.__version__} and TensorFlow {tensorflow_version()} a private "
+        f"name it uses is missing: {e}"
+    )
+
+
+check_versions()
+
+try:
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+    from keras.src.models.functional import Functional
+    from keras.src.models.model import functional_init_arguments
+    from keras.src.saving.keras_saveable import KerasSaveable
+except ImportError as e:
+    raise _import_error(e) from e
+
+# The (major, minor) release of Keras, for the helpers whose names moved.
+KERAS_VERSION = minor_version(keras.__version__)
 
 # The Keras backends `KeepGradModel` keeps gradients on.
 SUPPORTED_BACKENDS = ("tensorflow", "jax", "torch")
@@ -37,25 +135,30 @@ def check_backend(what):
 # At import, before reaching for a trainer this backend does not have.
 check_backend("keras_keepgrad")
 
-if BACKEND == "tensorflow":
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-    from keras.src.backend.tensorflow.trainer import (
-        _collective_all_reduce_multi_worker as collective_multi_worker,
-    )
+try:
+    if BACKEND == "tensorflow":
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+        from keras.src.backend.tensorflow.trainer import (
+            _collective_all_reduce_multi_worker as collective_multi_worker,
+        )
 
-    # The trainer class `keras.Model` derives from on this backend.
-    BackendTrainer = TensorFlowTrainer
-    # The base class of the graphs of `tf.cond` branches and loop bodies
-    # (TensorFlow's, private): the only way to tell that an op is traced
-    # conditionally.
-    from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
-elif BACKEND == "torch":
-    from keras.src.backend.torch.trainer import TorchTrainer as BackendTrainer
-else:
-    from keras.src.backend.jax.trainer import JAXTrainer as BackendTrainer
+        # The trainer class `keras.Model` derives from on this backend.
+        BackendTrainer = TensorFlowTrainer
+        # The base class of the graphs of `tf.cond` branches and loop bodies
+        # (TensorFlow's, private): the only way to tell that an op is traced
+        # conditionally.
+        from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
+    elif BACKEND == "torch":
+        from keras.src.backend.torch.trainer import TorchTrainer as BackendTrainer
+    else:
+        from keras.src.backend.jax.trainer import JAXTrainer as BackendTrainer
+except ImportError as e:
+    raise _import_error(e) from e
 
 __all__ = [
     "BACKEND",
+    "KERAS_VERSION",
+    "TESTED_RANGES",
     "BackendTrainer",
     "ControlFlowFuncGraph",
     "Functional",
@@ -63,19 +166,24 @@ __all__ = [
     "MODEL_STATE_ATTRIBUTES",
     "SUPPORTED_BACKENDS",
     "check_backend",
+    "check_versions",
     "compile_arguments",
     "compiled_metrics_as_passed",
     "collective_multi_worker",
     "data_spec_from_epoch_iterator",
     "functional_init_arguments",
+    "follow_state_shardings",
     "functional_structure",
     "in_symbolic_build",
+    "last_batch_of_execution",
     "make_function",
+    "minor_version",
     "model_strategy",
     "optimizer_variables",
     "state_sharding_spec",
     "summary_ops",
     "tensor_version",
+    "tensorflow_version",
     "replace_metric_variable",
     "untrack_metric",
     "untrack_metric_variables",
@@ -217,18 +325,32 @@ def optimizer_variables(optimizer):
     Written against Keras 3.15: `optimizer.apply(grads)` without variables,
     and `stateless_apply`'s `trainable_variables` values, pair with the
     private `_trainable_variables` that `build` stored; no public attribute
-    lists them (`optimizer.variables` are its own state).
+    lists them (`optimizer.variables` are its own state). Before Keras 3.12
+    a `LossScaleOptimizer`'s `build` stores none on itself, only on its
+    inner optimizer, which its updates pass them to.
     """
-    return list(optimizer._trainable_variables)
+    variables = getattr(optimizer, "_trainable_variables", None) or []
+    if (
+        not variables
+        and KERAS_VERSION < (3, 12)
+        and isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    ):
+        variables = optimizer.inner_optimizer._trainable_variables
+    return list(variables)
 
 
 def state_sharding_spec(model):
     """The shardings of `model`'s training state under a JAX distribution.
 
-    Written against Keras 3.15's `JAXTrainer._get_state_sharding_spec`,
-    which its `make_train_function` passes to `jax.jit` as the state's
-    `out_shardings`; no public API gives them.
+    Keras 3.12 to 3.15: `JAXTrainer._get_state_sharding_spec`, which its
+    `make_train_function` passes to `jax.jit` as the state's `out_shardings`;
+    no public API gives them. Keras 3.10 and 3.11 have no such method: their
+    `train_step` constrains the state to the shardings `fit` recorded
+    (`_enforce_jax_state_sharding`), so the jitted step leaves them
+    unspecified (None).
     """
+    if KERAS_VERSION < (3, 12):
+        return None
     return model._get_state_sharding_spec()
 
 
@@ -262,3 +384,43 @@ def summary_ops():
     from tensorflow.python.ops import gen_summary_ops
 
     return gen_summary_ops
+
+
+def last_batch_of_execution(batch, steps_per_execution):
+    """The 0-based index, in the epoch, of the last batch of an execution.
+
+    Keras 3.11 to 3.15 pass it to `on_train_batch_end`; Keras 3.10 passes
+    the execution's first batch instead (its epoch iterator yields one
+    index per execution), so with `steps_per_execution=N` the last one is
+    N - 1 later (the caller clamps a partial last execution to the epoch).
+    """
+    if KERAS_VERSION < (3, 11):
+        return batch + steps_per_execution - 1
+    return batch
+
+
+_STATE_SHARDINGS = (
+    "_trainable_variable_shardings",
+    "_non_trainable_variable_shardings",
+    "_optimizer_variable_shardings",
+    "_metrics_variable_shardings",
+)
+
+
+def follow_state_shardings(model, state):
+    """Keras 3.10 and 3.11 (JAX): the recorded shardings cover all of `state`.
+
+    Their `train_step` constrains each of the state's arrays to the sharding
+    `fit` recorded for it before the first step (private attributes, one
+    list per part of the state), by index. A gradient metric that makes its
+    state once it knows the trainable variables adds metric variables after
+    that, which have none recorded: a part whose count changed takes the
+    shardings of `state`'s (concrete) arrays. Later releases pass the
+    shardings to `jax.jit` instead (`state_sharding_spec`).
+    """
+    if KERAS_VERSION >= (3, 12):
+        return
+    for attribute, values in zip(_STATE_SHARDINGS, state):
+        recorded = getattr(model, attribute, None)
+        if recorded is not None and len(recorded) != len(values):
+            setattr(model, attribute, [value.sharding for value in values])

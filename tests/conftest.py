@@ -17,16 +17,29 @@ import pytest  # noqa: E402
 pytest.register_assert_rewrite("dynamics_cases", "report_cases", "skipping_cases")
 
 import keras_keepgrad as kg  # noqa: E402
+from keras_keepgrad import _compat  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # `jax_backend/` runs under KERAS_BACKEND=jax, `torch_backend/` under
 # KERAS_BACKEND=torch, each with `any_backend/` (`test_backends.py` starts
-# them); the TensorFlow run collects none of the three.
+# them); the TensorFlow run collects none of the three but
+# `any_backend/test_versions.py`, which no TensorFlow test covers.
 _BACKEND_DIRS = {"jax": "jax_backend", "torch": "torch_backend"}
 collect_ignore = [d for b, d in _BACKEND_DIRS.items() if b != keras.backend.backend()]
 if keras.backend.backend() not in _BACKEND_DIRS:
-    collect_ignore.append("any_backend")
+    collect_ignore.append("any_backend/test_any_backend.py")
+
+
+def keras_histogram_tag(path):
+    """The tag of Keras's own TensorBoard weight histogram of variable `path`.
+
+    Keras 3.14 and later name it by the variable's path, earlier releases by
+    its name alone (so two layers' kernels share a tag).
+    """
+    name = path if _compat.KERAS_VERSION >= (3, 14) else path.rsplit("/", 1)[-1]
+    return f"{name}/histogram"
+
 
 # The one-weight model of the tests: a bias-free Dense(1) with w = 3,
 # x = [[1], [2]], y = 0, mse. loss = mean((w*x)^2) -> d/dw = w*(1+4) = 5w = 15,

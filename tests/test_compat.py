@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from keras_keepgrad import _compat
 
-WRITTEN_AGAINST = "3.15"
+WRITTEN_AGAINST = "3.10 to 3.15"
 
 
 @contextlib.contextmanager
@@ -87,6 +87,9 @@ def test_optimizer_variables():
     optimizer.build([variable])
     with canary("optimizer_variables"):
         assert _compat.optimizer_variables(optimizer) == [variable]
+        scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+        scaled.build([variable])
+        assert _compat.optimizer_variables(scaled) == [variable]
 
 
 def test_replace_metric_variable():
@@ -148,9 +151,37 @@ def test_data_spec_from_epoch_iterator():
 def test_jax_trainer_methods():
     from keras.src.backend.jax.trainer import JAXTrainer
 
-    with canary("state_sharding_spec, make_function"):
-        assert callable(JAXTrainer._get_state_sharding_spec)
+    with canary("make_function"):
         assert callable(JAXTrainer._make_function)
+    with canary("state_sharding_spec"):
+        if _compat.KERAS_VERSION < (3, 12):
+            # The step itself constrains the state to the recorded shardings.
+            assert callable(JAXTrainer._enforce_jax_state_sharding)
+            assert not hasattr(JAXTrainer, "_get_state_sharding_spec")
+            assert _compat.state_sharding_spec(None) is None
+        else:
+            assert callable(JAXTrainer._get_state_sharding_spec)
+    with canary("follow_state_shardings"):
+        import inspect
+
+        if _compat.KERAS_VERSION < (3, 12):
+            # The lists the step constrains the state to, which fit records.
+            recorded = inspect.getsource(JAXTrainer._clear_jax_state_sharding)
+            assert all(f"self.{name} = None" in recorded for name in _compat._STATE_SHARDINGS)
+
+        class Recorded:
+            _metrics_variable_shardings = ["one"]
+
+        model = Recorded()
+        value = tf.zeros(())  # stands for an array: only its count is compared
+        _compat.follow_state_shardings(model, ([], [], [], [value]))
+        assert model._metrics_variable_shardings == ["one"]
+        if _compat.KERAS_VERSION < (3, 12):
+            import jax
+
+            array = jax.numpy.zeros(())
+            _compat.follow_state_shardings(model, ([], [], [], [array, array]))
+            assert model._metrics_variable_shardings == [array.sharding] * 2
 
 
 def test_tensor_version():
@@ -160,3 +191,16 @@ def test_tensor_version():
         before = _compat.tensor_version(tensor)
         tensor.add_(1.0)
         assert _compat.tensor_version(tensor) == before + 1
+
+
+def test_last_batch_of_execution():
+    seen = []
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(batch)
+    )
+    model.fit(np.zeros((8, 1)), np.zeros((8, 1)), batch_size=2, verbose=0, callbacks=[record])
+    with canary("last_batch_of_execution"):
+        # 4 batches, 2 per execution: Keras calls back after batches 1 and 3.
+        assert [_compat.last_batch_of_execution(b, 2) for b in seen] == [1, 3]

@@ -34,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.mark.parametrize(
     "metric, arguments",
-    zip(cases.all_metrics(), cases.ARGUMENTS),
+    list(zip(cases.all_metrics(), cases.ARGUMENTS)),
     ids=lambda m: f"{type(m).__name__}-{m.name}" if hasattr(m, "name") else "",
 )
 def test_config_round_trip(metric, arguments):

@@ -296,6 +296,7 @@ def make_train_function(model):
             raise
 
     def run_step(state, data):
+        _compat.follow_state_shardings(model, state)
         write = keeper.writes_next()
         if jitted and (keeper.slots is None or len(keeper.slots) != len(keeper.paths or ())):
             # The first jitted step donates slots, which must exist before

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 
 from keras_keepgrad import _capture
+from keras_keepgrad import _compat
 from keras_keepgrad import _stats
 
 __all__ = [
@@ -136,9 +137,9 @@ class StepCounter:
         index = bisect.bisect_left(self._starts, step) - 1
         return self._epochs[max(index, 0)]
 
-    def end_batch(self, batch, params):
+    def end_batch(self, batch, params, steps_per_execution=1):
         """Advances to `batch` (0-based, in the epoch); returns the old step."""
-        in_epoch = batch + 1
+        in_epoch = _compat.last_batch_of_execution(batch, steps_per_execution) + 1
         steps = (params or {}).get("steps")
         if steps:
             in_epoch = min(in_epoch, steps)

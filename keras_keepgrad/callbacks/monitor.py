@@ -204,7 +204,9 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._logs = logs if isinstance(logs, dict) else None
-        previous = self._steps.end_batch(batch, self.params)
+        previous = self._steps.end_batch(
+            batch, self.params, getattr(self.model, "steps_per_execution", 1)
+        )
         kept = self.model.kept_step
         if self._norms.follow(self.model, kept):
             self._count_layers()  # the step kept fewer layers than it trains

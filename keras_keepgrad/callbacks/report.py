@@ -143,7 +143,7 @@ class GradientReport(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._logs = logs if isinstance(logs, dict) else None
-        self._steps.end_batch(batch, self.params)
+        self._steps.end_batch(batch, self.params, getattr(self.model, "steps_per_execution", 1))
         kept = self.model.kept_step
         if self._norms.follow(self.model, kept):
             self._start()  # the step kept other layers than it trains

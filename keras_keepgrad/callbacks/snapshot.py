@@ -124,7 +124,9 @@ class GradientSnapshot(keras.callbacks.Callback):
         self._epoch_first_step = self._steps.step
 
     def on_train_batch_end(self, batch, logs=None):
-        previous = self._steps.end_batch(batch, self.params)
+        previous = self._steps.end_batch(
+            batch, self.params, getattr(self.model, "steps_per_execution", 1)
+        )
         if self.every != "epoch" and _reading.crossed(previous, self._steps.step, self.every):
             self._write()
 

@@ -54,7 +54,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
       kept step the norms are labelled with.
     - `<variable path>/gradient`: histograms of the finite gradient values,
       beside Keras's `<variable path>/histogram` of the weights (the same
-      TensorBoard category); every `histogram_freq` epochs from the epoch's
+      TensorBoard category; Keras before 3.14 names those by the weight's
+      name alone); every `histogram_freq` epochs from the epoch's
       last batch, at the epoch step, or with `gradient_histogram_freq=N`
       every N training batches, at the batch step. Where the gradient held
       NaN or inf, also `<variable path>/gradient_nonfinite`: -1 per -inf
@@ -291,7 +292,9 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self._logs = logs if isinstance(logs, dict) else None
         if isinstance(logs, dict) and self.update_freq != "epoch":
             self._guarded(self._write_batch_logs, logs)
-        previous = self._steps.end_batch(batch, self.params)
+        previous = self._steps.end_batch(
+            batch, self.params, getattr(self._model, "steps_per_execution", 1)
+        )
         self._guarded(self._skipped.write, self._train_writer, logs, self._steps.step)
         if self.update_freq != "epoch" and _reading.crossed(
             previous, self._steps.step, self.update_freq
