@@ -151,3 +151,11 @@ def test_tensor_version():
         before = _compat.tensor_version(tensor)
         tensor.add_(1.0)
         assert _compat.tensor_version(tensor) == before + 1
+
+
+def test_callback_model():
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    callback = keras.callbacks.Callback()
+    callback.set_model(model)
+    with canary("callback_model"):
+        assert _compat.callback_model(callback) is model
