@@ -15,6 +15,7 @@ import h5py
 import keras
 import numpy as np
 import pytest
+import stats_cases
 from conftest import W0
 from conftest import LateBuilt
 from conftest import X
@@ -757,3 +758,18 @@ def test_dynamics_state_stays_out_of_the_weights_and_the_saved_files(tmp_path):
 @pytest.mark.slow
 def test_dynamics_noise_scale_matches_the_closed_form_on_one_device():
     cases.noise_scale_matches_the_closed_form_on_one_device()
+
+
+# The statistics the callbacks read: computed in the step ---------------------
+
+
+def test_a_metric_and_two_callbacks_read_the_step_statistics(tmp_path, monkeypatch, mode):
+    stats_cases.metric_and_two_callbacks_read_the_step_statistics(tmp_path, monkeypatch, **mode)
+
+
+def test_step_statistics_under_keep_every_describe_the_kept_step(monkeypatch, mode):
+    stats_cases.keep_every_describes_the_step_the_slots_hold(monkeypatch, **mode)
+
+
+def test_step_statistics_of_a_nonfinite_step(tmp_path, mode):
+    stats_cases.a_nonfinite_step_is_recorded_and_reported(tmp_path, **mode)
