@@ -61,7 +61,7 @@ import tensorflow as tf  # noqa: E402
 # The most overhead beyond the control each may cost.
 KEEPING_TARGETS = {"mlp_1m": 0.02, "conv": 0.02, "mlp_10m": 0.03, "embedding": 0.03}
 METRICS_TARGET, DYNAMICS_TARGET = 0.02, 0.03
-WATCH_TARGETS = {"mlp_6k": 0.30, "mlp_1m": 0.10}
+WATCH_TARGETS = {"mlp_6k": 0.30, "mlp_1m": 0.10, "tiny": 0.30, "mlp_1m_wide": 0.10}
 # A target below what the hardware allows is judged against the floor
 # measured in the same run: met within noise of it (keeping), or within
 # about 3 points of it (each dynamics statistic).
@@ -372,8 +372,12 @@ def tensorboard(args, specs, mode):
             runs = [time_rounds(runners, args.rounds or rounds, 1, steps)]
             summary = dict(
                 pairs=pairs if args.setup == "epoch" else [],
-                targets={"all": WATCH_TARGETS[name]} if name in WATCH_TARGETS else None,
-                measures=("wall", "cpu", "hooks_seconds", "event_bytes"),
+                targets=(
+                    {"watched" if args.setup == "watched" else "all": WATCH_TARGETS[name]}
+                    if name in WATCH_TARGETS and args.setup != "epoch"
+                    else None
+                ),
+                measures=("wall", "cpu", "hooks_seconds", "event_bytes", "heatmap_seconds"),
             )
             configs.append(
                 config(
@@ -428,7 +432,10 @@ def watch_runner(setup, variant, spec, weights, root, steps, epochs):
         shutil.rmtree(log_dir, ignore_errors=True)
         n = steps * epochs
         wall, cpu = (end - begin for begin, end in zip(state["begin"], state["end"]))
-        return [wall / n, cpu / n, state["hooks"] / n, written / n]
+        # The heatmap figure is drawn once per epoch at most: a cost per
+        # `fit`, not per step, shown apart (it is in `wall` and `hooks`).
+        heatmap = sum(getattr(c, "_heatmap_seconds", 0.0) for c in callbacks)
+        return [wall / n, cpu / n, state["hooks"] / n, written / n, heatmap / n]
 
     run.model = model
     return run
@@ -642,18 +649,20 @@ def markdown(result):
             f"{c['processes']} process(es), {c['rounds']} rounds; base `{c['base']}`\n",
             "| variant | ms/step | ratio, wall [IQR] | ratio, CPU [IQR] | fastest rounds | "
             "beyond control, wall [90%] | beyond control, CPU [90%] | hooks ms/step | "
-            "event bytes/step |",
-            "|---|---:|---|---|---:|---|---|---:|---:|",
+            "event bytes/step | heatmap ms/step |",
+            "|---|---:|---|---|---:|---|---|---:|---:|---:|",
         ]
         for v, ms in c["step_ms"].items():
             hooks = c.get("hooks_seconds_per_step", {}).get(v)
             written = c.get("event_bytes_per_step", {}).get(v)
+            drawn = c.get("heatmap_seconds_per_step", {}).get(v)
             lines.append(
                 f"| {v} | {ms:.2f} | {_iqr(c['wall']['ratio'][v])} | {_iqr(c['cpu']['ratio'][v])} "
                 f"| {c['wall']['fastest_ratio'][v]:.3f} | {_cell(c['wall']['beyond_control'][v])} "
                 f"| {_cell(c['cpu']['beyond_control'][v])} | "
                 f"{'' if hooks is None else f'{hooks * 1e3:.3f}'} | "
-                f"{'' if written is None else f'{written:.0f}'} |"
+                f"{'' if written is None else f'{written:.0f}'} | "
+                f"{'' if drawn is None else f'{drawn * 1e3:.3f}'} |"
             )
         for pair, d in c["wall"]["pairs"].items():
             cpu = c["cpu"]["pairs"][pair]

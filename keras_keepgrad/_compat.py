@@ -165,6 +165,7 @@ __all__ = [
     "KerasSaveable",
     "MODEL_STATE_ATTRIBUTES",
     "SUPPORTED_BACKENDS",
+    "callback_model",
     "check_backend",
     "check_versions",
     "compile_arguments",
@@ -362,6 +363,19 @@ def make_function(model, step_function):
     no public API takes a step function.
     """
     return model._make_function(step_function)
+
+
+def callback_model(callback):
+    """The model a Keras callback was set to, as `set_model` stored it.
+
+    Written against Keras 3.15: `Callback.model` is a property that on JAX
+    copies the training state into the model's variables
+    (`jax_state_sync`) every time it is read, and on PyTorch unwraps a
+    `DistributedDataParallel` wrapper; what `set_model` stored is
+    `callback._model`, which Keras's own callbacks read in their per-batch
+    hooks.
+    """
+    return callback._model
 
 
 def tensor_version(tensor):

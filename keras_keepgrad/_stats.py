@@ -11,8 +11,16 @@ gradients already are, and shared:
   them between steps as one small vector (`read`), instead of every
   gradient.
 
-The training step calls `record` once, with the `{path: kept gradient}` it
-just stored. When no callback asked, `record` adds no op to the step.
+On TensorFlow the training step calls `record` once, with the
+`{path: kept gradient}` it just stored; the values live in a variable. On
+JAX and PyTorch, whose steps are counted in Python around them, the step
+computes the same sums (`shared_squares` of `keras_keepgrad._ops`: on JAX
+an extra output of the jitted step, on PyTorch the tensor the gradient
+metrics of the step already computed) and the keeper hands the resulting
+array, still on its device, to `store` after the step. Either way
+`read` returns the same `(count, paths, squares)`, with one transfer per
+recorded step, and never computes anything. When no callback asked
+(`requested`), the step computes nothing for them.
 
 In the step the sums are float32 only, with no conditional (a conditional
 costs more than the sums on a small model): a sum that overflows float32
@@ -33,6 +41,7 @@ never in `model.weights`, checkpoints or saved files.
 import threading
 import weakref
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -46,6 +55,8 @@ __all__ = [
     "read",
     "record",
     "require",
+    "requested",
+    "store",
     "shared_squares",
     "sum_squares",
 ]
@@ -218,15 +229,23 @@ class _Holder:
 
     Attributes:
         requested: Bool. A callback asked for the statistics.
-        paths: Tuple of the variable paths of the last trace of `record`.
+        paths: Tuple of the variable paths of the last trace of `record`
+            (TensorFlow) or of the last `store` (JAX, PyTorch).
         values: float64 `tf.Variable` `[len(paths) + 1]`: each variable's
-            sum of squares, then the number of steps recorded.
+            sum of squares, then the number of steps recorded (TensorFlow).
+        squares: The last stored step's float32 sums, on their device, in
+            the order of `source_paths` (JAX, PyTorch).
+        stored: Int. The number of steps stored (JAX, PyTorch).
     """
 
     def __init__(self):
         self.requested = False
         self.paths = None
         self.values = None
+        self.squares = None
+        self.source_paths = None
+        self.order = None  # `paths` as indices into `source_paths`, if they differ
+        self.stored = 0
         self.cache = None  # (logs, what `read` returned for them)
 
 
@@ -251,6 +270,43 @@ def require(model):
         holder.requested = True
         if getattr(model, "train_function", None) is not None:
             model.train_function = None
+
+
+def requested(model):
+    """Whether a callback asked `model`'s training step for the statistics."""
+    holder = _holder(model)
+    return holder is not None and holder.requested
+
+
+def store(model, paths, squares, source_paths=None):
+    """Stores one step's statistics, after it ran (JAX, PyTorch).
+
+    The keepers whose steps are counted in Python call it after each step
+    that wrote the slots, when a callback asked (`requested`): the
+    statistics always describe the step the slots hold. Nothing is read
+    here: `squares` stays on its device until a callback reads it.
+
+    Args:
+        model: The model being trained.
+        paths: The kept variable paths, in `model.trainable_variables`
+            order (the keys of `model.get_gradients_by_path()`).
+        squares: float32 array or tensor: each variable's sum of squares,
+            computed inside the step (`shared_squares` of `_ops`).
+        source_paths: The paths `squares` follows, if not `paths` (the
+            order in which the step kept them, which the gradient metrics
+            share the sums in).
+    """
+    holder = _holder(model, create=True)
+    paths = tuple(paths)
+    source_paths = paths if source_paths is None else tuple(source_paths)
+    if source_paths != holder.source_paths or paths != holder.paths:
+        index = {path: i for i, path in enumerate(source_paths)}
+        order = [index[path] for path in paths]
+        holder.order = None if order == list(range(len(source_paths))) else np.array(order)
+        holder.source_paths, holder.paths = source_paths, paths
+    holder.squares = squares
+    holder.stored += 1
+    holder.cache = None
 
 
 def record(model, grads_by_path, reduced=True, wrote=None):
@@ -342,19 +398,29 @@ def read(model, logs=None):
         (no callback asked, or the step does not record).
     """
     holder = _holder(model)
-    if holder is None or holder.values is None:
+    if holder is None or (holder.values is None and holder.squares is None):
         return None
     cached = holder.cache
     if logs is not None and cached is not None and cached[0] is logs:
         return cached[1]
-    strategy = model.distribute_strategy
-    values = strategy.experimental_local_results(holder.values)[0].numpy()
-    found = int(values[-1]), holder.paths, values[:-1]
+    if holder.values is None:
+        # One transfer of the small vector the step computed.
+        squares = np.asarray(keras.ops.convert_to_numpy(holder.squares), np.float64)
+        if holder.order is not None:
+            squares = squares[holder.order]
+        found = holder.stored, holder.paths, squares
+    else:
+        strategy = model.distribute_strategy
+        values = strategy.experimental_local_results(holder.values)[0].numpy()
+        found = int(values[-1]), holder.paths, values[:-1]
     holder.cache = None if logs is None else (logs, found)
     return found
 
 
 def count(model):
     """The number of steps recorded so far (0 when none)."""
+    holder = _holder(model)
+    if holder is not None and holder.values is None:
+        return holder.stored  # counted in Python: nothing to read
     found = read(model)
     return 0 if found is None else found[0]

@@ -204,3 +204,11 @@ def test_last_batch_of_execution():
     with canary("last_batch_of_execution"):
         # 4 batches, 2 per execution: Keras calls back after batches 1 and 3.
         assert [_compat.last_batch_of_execution(b, 2) for b in seen] == [1, 3]
+
+
+def test_callback_model():
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    callback = keras.callbacks.Callback()
+    callback.set_model(model)
+    with canary("callback_model"):
+        assert _compat.callback_model(callback) is model

@@ -8,6 +8,7 @@ the recorded sums of squares are 225, 56.25, 14.0625.
 import keras
 import numpy as np
 import pytest
+import stats_cases
 import tensorflow as tf
 
 import keras_keepgrad as kg
@@ -241,3 +242,22 @@ def test_sparse_gradients_are_summed_before_squaring(jit):
         callbacks=[kg.callbacks.GradientMonitor(), seen],
     )
     assert seen.seen == [(1, ("emb/embeddings", "d/kernel"), [648.0, 864.0])]
+
+
+# As on JAX and PyTorch (`tests/any_backend`): the same cases.
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_metric_and_two_callbacks_read_the_step_statistics(tmp_path, monkeypatch, jit):
+    stats_cases.metric_and_two_callbacks_read_the_step_statistics(
+        tmp_path, monkeypatch, jit_compile=jit
+    )
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_step_statistics_under_keep_every_describe_the_kept_step(monkeypatch, jit):
+    stats_cases.keep_every_describes_the_step_the_slots_hold(monkeypatch, jit_compile=jit)
+
+
+def test_step_statistics_of_a_nonfinite_step(tmp_path):
+    stats_cases.a_nonfinite_step_is_recorded_and_reported(tmp_path)

@@ -26,7 +26,13 @@ themselves, valid until the next step that writes them starts. A reader
 that needs them longer copies them (`np.asarray`), as the callbacks of this
 package do.
 
-Nothing here imports TensorFlow. Written against Keras 3.15's JAX trainer;
+When a callback asked for the per-step statistics (`_stats.require`),
+the step that writes the slots also returns each kept gradient's sum of
+squares (`shared_squares`, which XLA computes once with the gradient
+metrics' own), and the keeper hands that small array to `_stats.store`
+without reading it: callbacks fetch it in one transfer when they write.
+
+No TensorFlow function runs here. Written against Keras 3.15's JAX trainer;
 besides its public API it reads, through `_compat`, the variables a built
 optimizer updates (what the values `stateless_apply` takes pair with), the
 state's shardings and Keras's own step-function wrapper (as
@@ -44,6 +50,7 @@ from keras import ops
 
 from keras_keepgrad import _capture
 from keras_keepgrad import _compat
+from keras_keepgrad import _stats
 from keras_keepgrad._capture import evaluation_step
 from keras_keepgrad._capture import in_evaluation_step
 from keras_keepgrad._capture import nest_by_path
@@ -254,6 +261,8 @@ def make_train_function(model):
         sharding = {v.path: v.value.sharding for v in model.trainable_variables}
     keeper.layouts = dict(sharding) if distributed else {}
     jitted = not model.run_eagerly and model.jit_compile
+    # A callback asks before `fit` makes the training function.
+    statistics = _stats.requested(model)
 
     def step_body(state, slots, data, write):
         del slots  # donated: XLA writes the new slots into their buffers
@@ -262,7 +271,10 @@ def make_train_function(model):
         if not write:
             return logs, state
         kept = [densify(step.grads[path]) for path in keeper.paths]
-        return logs, state, kept
+        if not statistics:
+            return logs, state, kept
+        # The statistics describe the step the slots hold: written with them.
+        return logs, state, kept, shared_squares(dict(zip(keeper.paths, kept)))
 
     functions = {}
 
@@ -274,7 +286,9 @@ def make_train_function(model):
                 out_shardings = None
                 if distributed:
                     slot_shardings = [keeper.layouts[p] for p in keeper.paths]
-                    out_shardings = (None, state_shardings) + ((slot_shardings,) if write else ())
+                    out_shardings = (None, state_shardings)
+                    if write:
+                        out_shardings += (slot_shardings,) + ((None,) if statistics else ())
                 # `keep_unused`: the old slots are not read, only donated,
                 # and an unused argument would be dropped with its buffer.
                 function = jax.jit(
@@ -306,12 +320,15 @@ def make_train_function(model):
             # in Keras): its first kept gradients become the slots.
             shapes = jax.eval_shape(functools.partial(step_body, write=True), state, None, data)[2]
             keeper.slots = _zeros_like(shapes, [keeper.layouts.get(p) for p in keeper.paths])
+        squares = None
         if write:
-            logs, state, kept = compiled(True)(state, keeper.slots, data)
+            logs, state, kept, *squares = compiled(True)(state, keeper.slots, data)
         else:
             logs, state = compiled(False)(state, None, data)
             kept = None
         keeper.stepped(kept)
+        if squares:
+            _stats.store(model, keeper.paths, squares[0])
         return logs, state
 
     model.train_function = _compat.make_function(model, train_step)

@@ -35,7 +35,13 @@ copied after, each checked the same way. An update that wrote a gradient
 after earlier ones had not raises, rather than keeping a value it did not
 receive.
 
-Nothing here imports TensorFlow. Written against Keras 3.15's PyTorch
+When a callback asked for the per-step statistics (`_stats.require`), a
+step that writes the slots hands `_stats.store` each kept gradient's sum
+of squares: the tensor the step's gradient metrics computed already
+(`shared_squares` matches the same gradients), else computed once here,
+left on its device until a callback reads it.
+
+No TensorFlow function runs here. Written against Keras 3.15's PyTorch
 trainer; besides Keras's public API it reads the torch tensor behind a
 variable (`variable.value`) and a tensor's version counter.
 """
@@ -50,6 +56,7 @@ from keras import ops
 
 from keras_keepgrad import _capture
 from keras_keepgrad import _compat
+from keras_keepgrad import _stats
 from keras_keepgrad._capture import evaluation_step
 from keras_keepgrad._capture import in_evaluation_step
 from keras_keepgrad._capture import nest_by_path
@@ -144,6 +151,10 @@ class GradientKeeper(base.HostCountedKeeper):
         if step.backend_state.write:
             self.slots = {p: step.grads[p] for p in kept}
             self._written = self._steps
+            if kept and _stats.requested(step.model):
+                # In the order the step kept them, as the metrics asked.
+                squares = shared_squares(step.grads)
+                _stats.store(step.model, kept, squares, source_paths=step.grads)
         self._steps += 1
 
     def _own(self, step, kept, given):

@@ -19,6 +19,7 @@ from keras_keepgrad import _stats
 
 __all__ = [
     "LatestNorms",
+    "unsynced_model",
     "NewGradients",
     "StepCounter",
     "crossed",
@@ -246,6 +247,21 @@ def readable_gradients(model):
         else grad
         for path, grad in grads.items()
     }
+
+
+def unsynced_model(callback):
+    """`callback.model`, without synchronizing the model's state.
+
+    On JAX, Keras's `Callback.model` copies the training state into the
+    model's variables (`jax_state_sync`) every time it is read. Kept
+    gradients and the step's statistics live in the keeper, not in those
+    variables: per-batch hooks read them through this, and `callback.model`
+    only where they read a variable (the optimizer's loss scale).
+    Keras's own callbacks do the same. A model wrapped for PyTorch's
+    `DistributedDataParallel` is unwrapped by `callback.model`.
+    """
+    model = _compat.callback_model(callback)
+    return model if hasattr(model, "kept_step") else callback.model
 
 
 def trainable_paths(model):

@@ -204,20 +204,21 @@ class GradientMonitor(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._logs = logs if isinstance(logs, dict) else None
+        model = _reading.unsynced_model(self)
         previous = self._steps.end_batch(
-            batch, self.params, getattr(self.model, "steps_per_execution", 1)
+            batch, self.params, getattr(model, "steps_per_execution", 1)
         )
-        kept = self.model.kept_step
-        if self._norms.follow(self.model, kept):
+        kept = model.kept_step
+        if self._norms.follow(model, kept):
             self._count_layers()  # the step kept fewer layers than it trains
         if not self._norms.paths or not _reading.crossed(
             previous, self._steps.step, self.check_freq
         ):
             return
-        self._step = self._new.step_of(self.model, self._steps.step, kept)
+        self._step = self._new.step_of(model, self._steps.step, kept)
         if self._step is None:
             return  # `keep_every`: nothing kept since the last check
-        norms = self._norms.read(self.model, self._logs)
+        norms = self._norms.read(model, self._logs)
         if self._first_step is None:
             self._first_step = self._step
         self._last_step = self._step

@@ -143,15 +143,16 @@ class GradientReport(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._logs = logs if isinstance(logs, dict) else None
-        self._steps.end_batch(batch, self.params, getattr(self.model, "steps_per_execution", 1))
-        kept = self.model.kept_step
-        if self._norms.follow(self.model, kept):
+        model = _reading.unsynced_model(self)
+        self._steps.end_batch(batch, self.params, getattr(model, "steps_per_execution", 1))
+        kept = model.kept_step
+        if self._norms.follow(model, kept):
             self._start()  # the step kept other layers than it trains
         if not self._norms.paths:
             return
-        if self._new.step_of(self.model, self._steps.step, kept) is None:
+        if self._new.step_of(model, self._steps.step, kept) is None:
             return  # `keep_every`: nothing kept since the last read
-        norms = self._norms.read(self.model, self._logs)
+        norms = self._norms.read(model, self._logs)
         values = np.asarray(norms.layer_norms, np.float64)
         finite = np.isfinite(values) & ~np.asarray(norms.layer_nonfinite, bool)
         self._read += 1

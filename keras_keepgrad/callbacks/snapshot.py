@@ -138,18 +138,19 @@ class GradientSnapshot(keras.callbacks.Callback):
         # Read at each write, not at `on_train_begin`: a model built by its
         # first batch has no variables before it, and a step may keep other
         # variables than the last.
-        kept = self.model.kept_step
-        paths = _reading.kept_paths(self.model, kept)
+        model = _reading.unsynced_model(self)
+        kept = model.kept_step
+        paths = _reading.kept_paths(model, kept)
         if not paths:
             return
         self._check_paths(paths)
-        step = self._new.step_of(self.model, self._steps.step, kept)
+        step = self._new.step_of(model, self._steps.step, kept)
         if step is None:
             return  # `keep_every`: nothing kept since the last file
         epoch = self._steps.epoch_of(step) + 1
         filename = self.path.format(step=step, epoch=epoch)
         arrays = {}
-        for path, grad in _reading.readable_gradients(self.model).items():
+        for path, grad in _reading.readable_gradients(model).items():
             arrays[path] = keras.ops.convert_to_numpy(grad)
         arrays["step"] = np.int64(step)
         arrays["epoch"] = np.int64(epoch)

@@ -250,7 +250,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         layers than the last (an eager step whose optimizers vary) changes
         them again: the heatmap, whose rows are the layers, starts over.
         """
-        if self._norms.follow(self.model, kept):
+        if self._norms.follow(_reading.unsynced_model(self), kept):
             self._guarded(self._scalars.flush)
             self._scalars = self._norm_writer()
             if self._heatmap.columns:
@@ -394,14 +394,15 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
                 )
 
     def _record(self):
-        kept = self.model.kept_step
+        model = _reading.unsynced_model(self)
+        kept = model.kept_step
         self._follow_kept_layers(kept)
         if not self._norms.paths:
             return
-        step = self._new.step_of(self.model, self._steps.step, kept)
+        step = self._new.step_of(model, self._steps.step, kept)
         if step is None:
             return  # `keep_every`: nothing kept since the last record
-        norms = self._norms.read(self.model, self._logs)
+        norms = self._norms.read(model, self._logs)
         layer_norms = np.asarray(norms.layer_norms, np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):
             logs = np.log10(np.append(norms.global_norm, layer_norms))
@@ -428,7 +429,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     def _new_histogram_step(self):
         """The step of the kept gradients, or None if already drawn."""
-        kept = self.model.kept_step
+        kept = _reading.unsynced_model(self).kept_step
         step = self._steps.step - (0 if kept is None else kept.age)
         if step == self._histogram_step:
             return None
@@ -436,9 +437,10 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         return step
 
     def _write_histograms(self, step):
-        if self._new.nothing_kept(self.model):
+        model = _reading.unsynced_model(self)
+        if self._new.nothing_kept(model):
             return
-        grads = _reading.readable_gradients(self.model)
+        grads = _reading.readable_gradients(model)
         with self._train_writer.as_default(), tf.summary.record_if(True):
             for path, grad in grads.items():
                 values = tf.reshape(grad, [-1])

@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import pytest
 import report_cases
+import stats_cases
 from conftest import W0
 from conftest import LateBuilt
 from conftest import X
@@ -782,3 +783,18 @@ def test_monitor_defaults_catch_vanishing_and_exploding():
 
 def test_monitor_reports_a_state_once_with_its_end():
     report_cases.monitor_reports_a_state_once_with_its_end()
+
+
+# The statistics the callbacks read: computed in the step ---------------------
+
+
+def test_a_metric_and_two_callbacks_read_the_step_statistics(tmp_path, monkeypatch, mode):
+    stats_cases.metric_and_two_callbacks_read_the_step_statistics(tmp_path, monkeypatch, **mode)
+
+
+def test_step_statistics_under_keep_every_describe_the_kept_step(monkeypatch, mode):
+    stats_cases.keep_every_describes_the_step_the_slots_hold(monkeypatch, **mode)
+
+
+def test_step_statistics_of_a_nonfinite_step(tmp_path, mode):
+    stats_cases.a_nonfinite_step_is_recorded_and_reported(tmp_path, **mode)

@@ -754,3 +754,39 @@ def test_an_update_that_starts_writing_its_gradients_raises(jit_compile):
     # From then on it is copied before the update: 5w at w = 1.5 - 0.1 * 7.5.
     model.train_on_batch(X, Y)
     assert float(kernel(model)[0, 0]) == 3.75
+
+
+def test_the_step_statistics_are_the_metrics_own_sums(tmp_path, monkeypatch):
+    # PyTorch runs the step eagerly: the keeper's statistics reuse the sums
+    # the gradient metric computed (one `dot` per gradient, once per step),
+    # and the two callbacks read them without computing anything.
+    import stats_cases
+
+    from keras_keepgrad import _ops
+
+    calls = []
+    summed = _ops._torch_sum_squares
+
+    def counted(grads):
+        calls.append(len(grads))
+        return summed(grads)
+
+    monkeypatch.setattr(_ops, "_torch_sum_squares", counted)
+    stats_cases.metric_and_two_callbacks_read_the_step_statistics(tmp_path, monkeypatch)
+    assert calls == [2, 2]  # 2 steps, 2 gradients each
+
+
+def test_the_step_statistics_without_a_metric_are_computed_once_per_step(monkeypatch):
+    import stats_cases
+
+    from keras_keepgrad import _ops
+
+    calls = []
+    summed = _ops._torch_sum_squares
+    monkeypatch.setattr(_ops, "_torch_sum_squares", lambda g: calls.append(len(g)) or summed(g))
+    model = stats_cases.two_layers()
+    seen = stats_cases.Squares()
+    model.fit(np.tile(X, (3, 1)), np.tile(Y, (3, 1)), batch_size=2, shuffle=False, verbose=0,
+              callbacks=[kg.callbacks.GradientMonitor(), seen])  # fmt: skip
+    assert calls == [2, 2, 2]
+    assert [s[2] for s in seen.seen] == [[900.0, 506.25]] * 3
