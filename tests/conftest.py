@@ -28,7 +28,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _BACKEND_DIRS = {"jax": "jax_backend", "torch": "torch_backend"}
 collect_ignore = [d for b, d in _BACKEND_DIRS.items() if b != keras.backend.backend()]
 if keras.backend.backend() not in _BACKEND_DIRS:
-    collect_ignore.append("any_backend/test_any_backend.py")
+    collect_ignore += [
+        os.path.join("any_backend", name)
+        for name in os.listdir(os.path.join(os.path.dirname(__file__), "any_backend"))
+        if name.startswith("test_") and name != "test_versions.py"
+    ]
 
 
 def keras_histogram_tag(path):
