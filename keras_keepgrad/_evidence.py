@@ -97,15 +97,15 @@ def save(directory, max_saved, arrays):
         )
 
 
-def replay_batch(model, path):
+def replay_batch(model: keras.Model, path: str | os.PathLike) -> dict:
     """The gradients of a saved bad batch, computed again on `model`.
 
     Loads a file that `SkipBadSteps(save_batches_to=...)` wrote and runs
     the batch it holds through `model` as a training step computes its
     gradients (a forward pass with `training=True`, the compiled loss and
     the model's own losses, the saved `loss_scale` multiplied in and
-    divided out), without updating anything: the weights, the optimizer
-    and the metrics are left as they are. On a model restored from a
+    divided out), without an update: the weights and the optimizer are
+    left as they are. On a model restored from a
     checkpoint taken before that step, the result equals the file's
     `grad/<path>` arrays (a model's own `train_step` is not replayed: its
     loss is the compiled one).
@@ -116,7 +116,7 @@ def replay_batch(model, path):
         path: Str or path of the `.npz` file.
 
     Returns:
-        `{variable path: np.ndarray}` (float32), for each trainable
+        Dict `{variable path: np.ndarray}` (float32) of each trainable
         variable that has a gradient, like the file's `grad/` entries.
 
     Raises:
