@@ -17,6 +17,7 @@ import numpy as np
 from conftest import LateBuilt
 from conftest import X
 from conftest import Y
+from conftest import dense_0
 from conftest import one_weight
 
 import keras_keepgrad as kg
@@ -307,3 +308,28 @@ def saved_loss_scale_is_the_steps(mode, tmp_path):
     (arrays,) = saved(directory).values()
     assert float(arrays["loss_scale"]) == 2.0
     assert int(arrays["step"]) == 1
+
+
+def dict_inputs_are_saved_per_key_and_replayed(mode, tmp_path):
+    """Inputs `{"a": x}`, SGD(0.0), window 1, factor 1.5: (1, 2) gives 15;
+    (2, 4) gives 60 > 22.5, skipped and saved as `x/a`; (NaN, 2) too.
+    Replayed (w = 3 still), the spike's file gives 60 again."""
+    directory = str(tmp_path / "bad")
+    inputs = {"a": keras.Input((1,), name="a")}
+    config = kg.SkipBadSteps(spike_factor=1.5, window=1, save_batches_to=directory)
+    model = kg.KeepGradModel(inputs, dense_0()(inputs["a"]), skip_bad_steps=config)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **mode)
+    x = np.concatenate([X, batch(2, 4), NAN_X])
+    history = model.fit(
+        {"a": x}, np.zeros((6, 1), "float32"), batch_size=2, shuffle=False, verbose=0
+    )
+    assert history.history["skipped_steps"] == [2.0]
+    files = saved(directory)
+    assert list(files) == ["bad_step_00000002.npz", "bad_step_00000003.npz"]
+    spike, nan = files.values()
+    assert sorted(spike) == ["grad/dense_0/kernel", "step", "x/a", "y"]
+    np.testing.assert_array_equal(spike["x/a"], batch(2, 4))
+    np.testing.assert_array_equal(spike["grad/dense_0/kernel"], [[60.0]])
+    np.testing.assert_array_equal(nan["x/a"], NAN_X)
+    path = os.path.join(directory, "bad_step_00000002.npz")
+    assert kg.replay_batch(model, path) == {"dense_0/kernel": np.array([[60.0]], "float32")}

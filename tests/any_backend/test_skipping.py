@@ -21,6 +21,7 @@ SAVING_CASES = [
     cases.saved_files_stop_at_max_saved,
     cases.saving_adds_one_counter_and_off_adds_none,
     cases.saved_loss_scale_is_the_steps,
+    cases.dict_inputs_are_saved_per_key_and_replayed,
 ]
 
 
