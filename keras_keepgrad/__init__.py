@@ -2,6 +2,7 @@
 
 from keras_keepgrad import callbacks
 from keras_keepgrad import metrics
+from keras_keepgrad._evidence import replay_batch
 from keras_keepgrad._skipping import SkipBadSteps
 from keras_keepgrad.model import KeepGradModel
 from keras_keepgrad.wrapping import keep_gradients
@@ -14,4 +15,5 @@ __all__ = [
     "callbacks",
     "keep_gradients",
     "metrics",
+    "replay_batch",
 ]

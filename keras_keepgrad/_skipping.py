@@ -16,12 +16,16 @@ pure step's `metrics_variables`), and `fit` resets the count each epoch as
 it resets the metrics. The recent norms are not reset.
 """
 
+import functools
+import os
+
 import keras
 from keras import ops
 
 from keras_keepgrad import _capture
 from keras_keepgrad import _checks
 from keras_keepgrad import _compat
+from keras_keepgrad import _evidence
 from keras_keepgrad import _torch_compile
 from keras_keepgrad import backend
 
@@ -56,6 +60,15 @@ class SkipBadSteps:
 
     `fit` logs the skipped steps of the epoch so far as `skipped_steps`.
 
+    With `save_batches_to`, each skipped step also leaves its evidence:
+    the batch the training step received (inputs, targets, sample
+    weights), its kept gradients, its step number and its loss scale, in
+    one `.npz` file per step, `bad_step_<step:08d>.npz`, written
+    atomically; `kg.replay_batch(model, file)` computes its gradients
+    again. Only the first `max_saved` files are written (counted in the
+    directory, so a later `fit` into it writes no more once it holds
+    them): later bad steps are usually the consequences of the first.
+
     Args:
         nonfinite: Bool. Skip steps whose kept gradients hold a NaN or an
             infinity. Defaults to `True`.
@@ -64,20 +77,41 @@ class SkipBadSteps:
             median of the last `window` steps' norms. Defaults to None.
         window: Int, at least 1. How many recent norms the median is
             taken over. Defaults to `100`.
+        save_batches_to: Str or path of a directory, or None (off): where
+            the skipped steps' batches are saved. Defaults to None.
+        max_saved: Positive int. How many saved batches the directory
+            holds at most. Defaults to `10`.
 
     Raises:
         TypeError: `nonfinite` is not a bool.
         ValueError: `spike_factor` is not a finite number above 1 (or
-            None), `window` is not a positive int, or nothing is checked
-            (`nonfinite=False` and `spike_factor=None`).
+            None), `window` or `max_saved` is not a positive int, nothing
+            is checked (`nonfinite=False` and `spike_factor=None`), or
+            `save_batches_to` is not a writable directory.
     """
 
     def __init__(
-        self, nonfinite: bool = True, spike_factor: float | None = None, window: int = 100
+        self,
+        nonfinite: bool = True,
+        spike_factor: float | None = None,
+        window: int = 100,
+        save_batches_to: str | os.PathLike | None = None,
+        max_saved: int = 10,
     ) -> None:
         self.nonfinite = _checks.check_bool("nonfinite", nonfinite)
         self.spike_factor = _checks.check_positive_float("spike_factor", spike_factor, above=1.0)
         self.window = _checks.check_positive_int("window", window)
+        self.max_saved = _checks.check_positive_int("max_saved", max_saved)
+        if save_batches_to is not None:
+            if not isinstance(save_batches_to, (str, os.PathLike)):
+                raise TypeError(
+                    "`save_batches_to` must be a directory (str or path) or None. "
+                    f"Received: save_batches_to={save_batches_to!r} of type "
+                    f"{type(save_batches_to).__name__}"
+                )
+            save_batches_to = os.fspath(save_batches_to)
+            _checks.check_writable_dir(save_batches_to, "save_batches_to", save_batches_to)
+        self.save_batches_to = save_batches_to
         if not self.nonfinite and self.spike_factor is None:
             raise ValueError(
                 "`SkipBadSteps` with `nonfinite=False` and `spike_factor=None` "
@@ -87,11 +121,14 @@ class SkipBadSteps:
             )
 
     def get_config(self):
-        return {
+        config = {
             "nonfinite": self.nonfinite,
             "spike_factor": self.spike_factor,
             "window": self.window,
         }
+        if self.save_batches_to is not None:
+            config.update(save_batches_to=self.save_batches_to, max_saved=self.max_saved)
+        return config
 
     @classmethod
     def from_config(cls, config):
@@ -131,9 +168,10 @@ class SkippedSteps(keras.metrics.Metric):
     the recent norms.
     """
 
-    def __init__(self, window, name=LOG_KEY):
+    def __init__(self, window, counts_steps=False, name=LOG_KEY):
         super().__init__(name=name, dtype="float32")
         self.window = window
+        self.counts_steps = counts_steps
         self.skipped = self.add_variable(shape=(), initializer="zeros", name="skipped")
         # Training steps since the last reset: nothing is logged before one.
         self.steps = self.add_variable(shape=(), initializer="zeros", name="steps")
@@ -141,6 +179,10 @@ class SkippedSteps(keras.metrics.Metric):
         self.recorded = self.add_variable(shape=(), initializer="zeros", name="recorded")
         self.position = self.add_variable(shape=(), initializer="zeros", name="position")
         self.names = ("skipped", "steps", "norms", "recorded", "position")
+        if counts_steps:
+            # Where batches are saved: the step number, never reset.
+            self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+            self.names += ("total",)
 
     def state_variables(self):
         return [getattr(self, n) for n in self.names]
@@ -199,7 +241,10 @@ def begin(model, args):
         return None
     metric = model._skipped_metric
     values = model._skip_state_in(args, metric.state_variables())
-    step.guard = Guard(model, config, dict(zip(metric.names, values)))
+    data = None
+    if config.save_batches_to is not None:
+        data = _evidence.flatten_batch(model._step_data(args))
+    step.guard = Guard(model, config, dict(zip(metric.names, values)), data)
     return step.guard
 
 
@@ -211,16 +256,21 @@ class Guard:
         config: Its `SkipBadSteps`.
         state: `{name: tensor}` of the `SkippedSteps` variables as the
             step begins.
+        data: `{key: tensor}` of the step's batch (`_evidence.flatten_batch`)
+            where skipped steps' batches are saved, else None.
     """
 
-    def __init__(self, model, config, state):
+    def __init__(self, model, config, state, data=None):
         self.model = model
         self.config = config
         self.state = state
+        self.data = data
         self.bad = None  # whether an update of the step was skipped
         self.judged = 0
+        self.scale = None  # a `LossScaleOptimizer`'s scale as the step ran
+        self.kept = {}  # `{path: kept gradient}` judged, where batches are saved
 
-    def _judge(self, optimizer, kept):
+    def _judge(self, optimizer, kept, scale=None):
         """Whether to run the update of `kept`; records the step's badness."""
         config = self.config
         self.judged += 1
@@ -259,6 +309,8 @@ class Guard:
                 joins, ops.minimum(state["recorded"] + 1.0, float(window)), state["recorded"]
             )
         self.bad = bad if self.bad is None else ops.logical_or(self.bad, bad)
+        if scale is not None and self.scale is None:
+            self.scale = scale
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             # It skips non-finite updates itself, and lowers its scale.
             return ops.logical_or(ops.logical_not(bad), ops.logical_not(finite))
@@ -266,11 +318,26 @@ class Guard:
 
     def apply(self, optimizer, variables, kept, apply):
         """Runs `apply()` (a stateful `apply`) unless the update is bad."""
-        return backend.apply_if(self._judge(optimizer, kept), apply, optimizer, variables)
+        self._hold(variables, kept)
+        scale = None
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            if not optimizer.built:
+                # As `apply` builds it (its scale is made there).
+                with keras.name_scope(optimizer.name, caller=optimizer):
+                    optimizer.build(variables)
+            # Read before the update, which halves it on a non-finite step.
+            scale = ops.copy(ops.convert_to_tensor(optimizer.dynamic_scale))
+        return backend.apply_if(self._judge(optimizer, kept, scale), apply, optimizer, variables)
 
     def apply_stateless(self, optimizer, kept, apply, unchanged):
         """`apply()` (a `stateless_apply`), or `unchanged` if the update is bad."""
-        run = self._judge(optimizer, kept)
+        self._hold(_compat.optimizer_variables(optimizer), kept)
+        scale = None
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            # The step's value of it, among the optimizer's as passed.
+            index = [id(v) for v in optimizer.variables].index(id(optimizer.dynamic_scale))
+            scale = unchanged[1][index]
+        run = self._judge(optimizer, kept, scale)
         return keras.tree.map_structure(
             lambda new, old: ops.where(run, new, old), apply(), unchanged
         )
@@ -285,5 +352,30 @@ class Guard:
         metric = self.model._skipped_metric
         # The recent norms change only where spikes are checked: no write else.
         names = metric.names if self.config.spike_factor is not None else ("skipped", "steps")
+        if self.data is not None:
+            state["total"] = state["total"] + 1.0
+            if "total" not in names:
+                names = (*names, "total")
+            self._save_if(bad)
         pairs = [(getattr(metric, n), state[n]) for n in names]
         return self.model._skip_state_out(result, pairs, {LOG_KEY: state["skipped"]})
+
+    def _hold(self, variables, kept):
+        """Holds the kept gradients judged, for `_save_if`: as judged, not
+        as the step's record, which may hold them as the update reduced
+        them (inside its `tf.cond`)."""
+        if self.data is not None:
+            for variable, grad in zip(variables, kept):
+                self.kept[variable.path] = grad
+
+    def _save_if(self, bad):
+        """Saves the step's evidence on the host where it was skipped."""
+        tensors = dict(self.data)
+        tensors["step"] = self.state["total"]
+        for path, grad in self.kept.items():
+            tensors[f"grad/{path}"] = ops.cast(backend.densify(grad), "float32")
+        if self.scale is not None:
+            tensors["loss_scale"] = ops.cast(self.scale, "float32")
+        config = self.config
+        save = functools.partial(_evidence.save, config.save_batches_to, config.max_saved)
+        backend.call_if(bad, save, tensors)

@@ -323,12 +323,20 @@ class KeepGradModel(backend.Trainer, keras.Model):
     def _set_skip_config(self, config):
         self._skip_config = config
         metric = self._skipped_metric
-        if config is None or metric is None or metric.window != config.window:
+        counts = config is not None and config.save_batches_to is not None
+        if (
+            config is None
+            or metric is None
+            or metric.window != config.window
+            or metric.counts_steps != counts
+        ):
             # Its state: made only where skipping is on, so that a model
             # that does not skip has no variable or metric more.
             if metric is not None:
                 _compat.untrack_metric(self, metric)
-            self._skipped_metric = None if config is None else _skipping.SkippedSteps(config.window)
+            self._skipped_metric = (
+                None if config is None else _skipping.SkippedSteps(config.window, counts)
+            )
 
     def get_config(self):
         config = super().get_config()

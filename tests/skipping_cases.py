@@ -10,11 +10,14 @@ x = [[p], [q]] gives loss = mean((w x)^2), so d/dw = w (p^2 + q^2): 15 for
 3, so these are every step's global gradient norms.
 """
 
+import os
+
 import keras
 import numpy as np
 from conftest import LateBuilt
 from conftest import X
 from conftest import Y
+from conftest import dense_0
 from conftest import one_weight
 
 import keras_keepgrad as kg
@@ -173,3 +176,160 @@ def under_loss_scaling(mode):
     assert [np.asarray(v).tobytes() for v in optimizer.inner_optimizer.variables] == inner
     assert float(np.asarray(optimizer.dynamic_scale)) == 1.0
     assert float(np.asarray(optimizer.step_counter)) == counter
+
+
+# Saved batches (`save_batches_to`) --------------------------------------
+
+
+def saved(directory):
+    """`{file name: {key: array}}` of the saved batches in `directory`."""
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        with np.load(os.path.join(directory, name)) as f:
+            files[name] = {key: f[key] for key in f.files}
+    return files
+
+
+def nan_batch_is_saved_with_its_gradients(mode, tmp_path):
+    """Batches (1, 2), (NaN, 2), (1, 2), sample weights 1, (2, 1), 1: the
+    second step is skipped and its file holds exactly what the step
+    received, its number (2) and its kept gradient (NaN); no loss scale
+    without a `LossScaleOptimizer`. Good steps leave no file."""
+    directory = str(tmp_path / "bad")
+    model = one_weight(skip_bad_steps=kg.SkipBadSteps(save_batches_to=directory))
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **mode)
+    x = np.concatenate([X, NAN_X, X])
+    weights = np.array([1.0, 1.0, 2.0, 1.0, 1.0, 1.0], "float32")
+    history = model.fit(
+        x,
+        np.zeros((6, 1), "float32"),
+        sample_weight=weights,
+        batch_size=2,
+        shuffle=False,
+        verbose=0,
+    )
+    assert history.history["skipped_steps"] == [1.0]
+    files = saved(directory)
+    assert list(files) == ["bad_step_00000002.npz"]
+    arrays = files["bad_step_00000002.npz"]
+    assert sorted(arrays) == ["grad/dense_0/kernel", "sample_weight", "step", "x", "y"]
+    np.testing.assert_array_equal(arrays["x"], NAN_X)
+    assert arrays["x"].dtype == np.float32
+    np.testing.assert_array_equal(arrays["y"], np.zeros((2, 1)))
+    np.testing.assert_array_equal(arrays["sample_weight"], [2.0, 1.0])
+    assert int(arrays["step"]) == 2
+    assert arrays["grad/dense_0/kernel"].shape == (1, 1)
+    assert np.isnan(arrays["grad/dense_0/kernel"][0, 0])
+
+
+def spike_batch_is_saved_and_replays_to_its_gradients(mode, tmp_path):
+    """SGD(0.1), window 1, factor 1.5: step 1 ((1, 2): 15) gives w = 1.5;
+    step 2 ((2, 4): 1.5 * 20 = 30 > 1.5 * 15) is skipped and saved.
+    Replayed on a model restored from the weights saved before step 2
+    (w = 1.5), and on the trained model itself (still 1.5), the batch
+    gives 30 again; replaying changes no weight."""
+    directory = str(tmp_path / "bad")
+    config = kg.SkipBadSteps(spike_factor=1.5, window=1, save_batches_to=directory)
+    model = one_weight(skip_bad_steps=config)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
+    model.train_on_batch(X, Y)
+    checkpoint = str(tmp_path / "before.weights.h5")
+    model.save_weights(checkpoint)
+    logs = model.train_on_batch(batch(2, 4), Y, return_dict=True)
+    assert float(logs["skipped_steps"]) == 1.0
+    model.train_on_batch(X, Y)  # 1.5 * 5 = 7.5: applied, not saved
+    files = saved(directory)
+    assert list(files) == ["bad_step_00000002.npz"]
+    arrays = files["bad_step_00000002.npz"]
+    assert sorted(arrays) == ["grad/dense_0/kernel", "step", "x", "y"]
+    np.testing.assert_array_equal(arrays["x"], batch(2, 4))
+    assert int(arrays["step"]) == 2
+    np.testing.assert_array_equal(arrays["grad/dense_0/kernel"], [[30.0]])
+
+    restored = one_weight(skip_bad_steps=config)
+    restored.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
+    restored.load_weights(checkpoint)
+    path = os.path.join(directory, "bad_step_00000002.npz")
+    replayed = kg.replay_batch(restored, path)
+    assert list(replayed) == ["dense_0/kernel"]
+    np.testing.assert_array_equal(replayed["dense_0/kernel"], arrays["grad/dense_0/kernel"])
+    assert float(np.asarray(restored.weights[0])[0, 0]) == 1.5
+    # The trained model: 7.5 moved it to 1.5 - 0.75 = 0.75, so 0.75 * 20.
+    np.testing.assert_array_equal(kg.replay_batch(model, path)["dense_0/kernel"], [[15.0]])
+    assert float(np.asarray(model.weights[0])[0, 0]) == 0.75
+
+
+def saved_files_stop_at_max_saved(mode, tmp_path):
+    """max_saved=2, NaN batches (NaN, 1) .. (NaN, 4): steps 1 and 2 are
+    saved (the first are kept), 3 and 4 not; a later `fit` into the same
+    directory, with another model, saves nothing either."""
+    directory = str(tmp_path / "bad")
+    config = kg.SkipBadSteps(save_batches_to=directory, max_saved=2)
+    model = one_weight(skip_bad_steps=config)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **mode)
+    x = np.array([[np.nan], [1], [np.nan], [2], [np.nan], [3], [np.nan], [4]], "float32")
+    history = model.fit(x, np.zeros((8, 1), "float32"), batch_size=2, shuffle=False, verbose=0)
+    assert history.history["skipped_steps"] == [4.0]
+    files = saved(directory)
+    assert list(files) == ["bad_step_00000001.npz", "bad_step_00000002.npz"]
+    assert [float(f["x"][1, 0]) for f in files.values()] == [1.0, 2.0]
+    other = one_weight(skip_bad_steps=config)
+    other.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **mode)
+    other.fit(NAN_X, Y, verbose=0)
+    assert list(saved(directory)) == list(files)
+
+
+def saving_adds_one_counter_and_off_adds_none(mode, tmp_path):
+    """Skipping alone: 5 state variables; with saving, the step counter
+    too; set off again, it is gone."""
+    plain = one_weight(skip_bad_steps=True)
+    model = one_weight(skip_bad_steps=kg.SkipBadSteps(save_batches_to=str(tmp_path)))
+    for m in (plain, model):
+        m.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **mode)
+        m.fit(X, Y, verbose=0)
+    assert len(model.metrics_variables) == len(plain.metrics_variables) + 1
+    model.skip_bad_steps = True
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **mode)
+    model.fit(NAN_X, Y, verbose=0)
+    assert len(model.metrics_variables) == len(plain.metrics_variables)
+    assert os.listdir(tmp_path) == []
+
+
+def saved_loss_scale_is_the_steps(mode, tmp_path):
+    """mixed_float16, `LossScaleOptimizer(initial_scale=2)`: a NaN step is
+    saved with the scale it ran under (2), though it halves it to 1."""
+    keras.config.set_dtype_policy("mixed_float16")
+    directory = str(tmp_path / "bad")
+    model = one_weight(skip_bad_steps=kg.SkipBadSteps(save_batches_to=directory))
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0)
+    model.compile(optimizer=optimizer, loss="mse", **mode)
+    model.train_on_batch(NAN_X, Y)
+    assert float(np.asarray(optimizer.dynamic_scale)) == 1.0
+    (arrays,) = saved(directory).values()
+    assert float(arrays["loss_scale"]) == 2.0
+    assert int(arrays["step"]) == 1
+
+
+def dict_inputs_are_saved_per_key_and_replayed(mode, tmp_path):
+    """Inputs `{"a": x}`, SGD(0.0), window 1, factor 1.5: (1, 2) gives 15;
+    (2, 4) gives 60 > 22.5, skipped and saved as `x/a`; (NaN, 2) too.
+    Replayed (w = 3 still), the spike's file gives 60 again."""
+    directory = str(tmp_path / "bad")
+    inputs = {"a": keras.Input((1,), name="a")}
+    config = kg.SkipBadSteps(spike_factor=1.5, window=1, save_batches_to=directory)
+    model = kg.KeepGradModel(inputs, dense_0()(inputs["a"]), skip_bad_steps=config)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **mode)
+    x = np.concatenate([X, batch(2, 4), NAN_X])
+    history = model.fit(
+        {"a": x}, np.zeros((6, 1), "float32"), batch_size=2, shuffle=False, verbose=0
+    )
+    assert history.history["skipped_steps"] == [2.0]
+    files = saved(directory)
+    assert list(files) == ["bad_step_00000002.npz", "bad_step_00000003.npz"]
+    spike, nan = files.values()
+    assert sorted(spike) == ["grad/dense_0/kernel", "step", "x/a", "y"]
+    np.testing.assert_array_equal(spike["x/a"], batch(2, 4))
+    np.testing.assert_array_equal(spike["grad/dense_0/kernel"], [[60.0]])
+    np.testing.assert_array_equal(nan["x/a"], NAN_X)
+    path = os.path.join(directory, "bad_step_00000002.npz")
+    assert kg.replay_batch(model, path) == {"dense_0/kernel": np.array([[60.0]], "float32")}

@@ -8,7 +8,7 @@ import keras
 import keras_keepgrad as kg
 
 SURFACE = {
-    kg: ["KeepGradModel", "SkipBadSteps", "callbacks", "keep_gradients", "metrics"],
+    kg: ["KeepGradModel", "SkipBadSteps", "callbacks", "keep_gradients", "metrics", "replay_batch"],
     kg.metrics: [
         "GradientCosine",
         "GradientMaxAbs",
@@ -35,7 +35,10 @@ SIGNATURES = {
         "(self, *args, keep_gradients=True, save_gradients=False, keep_every=1, "
         "skip_bad_steps=None, **kwargs)"
     ),
-    kg.SkipBadSteps: "(nonfinite=True, spike_factor=None, window=100)",
+    kg.SkipBadSteps: (
+        "(nonfinite=True, spike_factor=None, window=100, save_batches_to=None, max_saved=10)"
+    ),
+    kg.replay_batch: "(model, path)",
     kg.keep_gradients: "(model, **options)",
     kg.KeepGradModel.keep_step_gradients: "(self, grads, variables)",
     kg.KeepGradModel.get_gradients_of: "(self, layer)",

@@ -27,10 +27,24 @@ CASES = [
     cases.under_loss_scaling,
 ]
 
+SAVING_CASES = [
+    cases.nan_batch_is_saved_with_its_gradients,
+    cases.spike_batch_is_saved_and_replays_to_its_gradients,
+    cases.saved_files_stop_at_max_saved,
+    cases.saving_adds_one_counter_and_off_adds_none,
+    cases.saved_loss_scale_is_the_steps,
+    cases.dict_inputs_are_saved_per_key_and_replayed,
+]
+
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
 def test_skipping(case, mode):
     case(mode)
+
+
+@pytest.mark.parametrize("case", SAVING_CASES, ids=lambda c: c.__name__)
+def test_saving_bad_batches(case, mode, tmp_path):
+    case(mode, tmp_path)
 
 
 def test_arguments_are_checked_with_their_names():
@@ -159,3 +173,47 @@ def test_the_docs_example_runs_and_prints_its_comments(capsys):
     code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     exec(compile(code, "docs/skipping.md", "exec"), {})
     assert capsys.readouterr().out.splitlines() == ["[2.0]", "4"]
+
+
+def test_saving_arguments_are_checked_and_round_trip(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"`max_saved` must be a positive int. Received: max_saved=0"
+    ):
+        kg.SkipBadSteps(save_batches_to=str(tmp_path), max_saved=0)
+    with pytest.raises(TypeError, match=r"Received: save_batches_to=3 of type int"):
+        kg.SkipBadSteps(save_batches_to=3)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"`save_batches_to` must be a path this process can"):
+        kg.SkipBadSteps(save_batches_to=str(blocker / "bad"))
+    config = kg.SkipBadSteps(save_batches_to=tmp_path / "bad", max_saved=3)
+    assert config.get_config() == {
+        "nonfinite": True,
+        "spike_factor": None,
+        "window": 100,
+        "save_batches_to": str(tmp_path / "bad"),
+        "max_saved": 3,
+    }
+    model = one_weight(skip_bad_steps=config)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    assert keras.models.load_model(path).skip_bad_steps == config
+
+
+def test_replay_refuses_other_files_and_uncompiled_models(tmp_path):
+    path = str(tmp_path / "other.npz")
+    np.savez(path, a=np.zeros(1))
+    model = one_weight()
+    with pytest.raises(ValueError, match=r"holds no `x` \(its keys: \['a'\]\)"):
+        kg.replay_batch(model, path)
+    np.savez(path, x=X, y=Y)
+    with pytest.raises(ValueError, match=r"not compiled with a loss"):
+        kg.replay_batch(model, path)
+
+
+def test_a_nested_batch_is_refused_with_its_name(tmp_path):
+    model = one_weight(skip_bad_steps=kg.SkipBadSteps(save_batches_to=str(tmp_path)))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.raises(ValueError, match=r"Received a nested 'x'"):
+        model.train_on_batch({"a": {"b": X}}, Y)

@@ -6,7 +6,8 @@ the names below, which are the running backend's.
 - `GradientKeeper`: the backend's `base.Keeper`.
 - `Trainer`: the backend's `base.Trainer`, a base of `KeepGradModel`.
 - `apply_if`: runs an optimizer's `apply` only where a step is not
-  skipped (`_skipping`).
+  skipped (`_skipping`); `call_if`: a host call where a step was skipped,
+  and `replay_gradients`: a saved batch's gradients again (`_evidence`).
 - `densify`, `unscale`, `current_step_gradients`: reading the gradients
   of the training step being run or traced (`current_step_variables`,
   `current_step_updates` and `reduces_in_step` where the backend has them).
@@ -22,18 +23,22 @@ if _compat.BACKEND == "jax":
     from keras_keepgrad.backend.jax import GradientKeeper
     from keras_keepgrad.backend.jax import Trainer
     from keras_keepgrad.backend.jax import apply_if
+    from keras_keepgrad.backend.jax import call_if
     from keras_keepgrad.backend.jax import current_step_gradients
     from keras_keepgrad.backend.jax import current_step_updates
     from keras_keepgrad.backend.jax import current_step_variables
     from keras_keepgrad.backend.jax import densify
+    from keras_keepgrad.backend.jax import replay_gradients
     from keras_keepgrad.backend.jax import unscale
 elif _compat.BACKEND == "torch":
     from keras_keepgrad.backend.torch import GradientKeeper
     from keras_keepgrad.backend.torch import Trainer
     from keras_keepgrad.backend.torch import apply_if
+    from keras_keepgrad.backend.torch import call_if
     from keras_keepgrad.backend.torch import current_step_gradients
     from keras_keepgrad.backend.torch import current_step_updates
     from keras_keepgrad.backend.torch import densify
+    from keras_keepgrad.backend.torch import replay_gradients
     from keras_keepgrad.backend.torch import unscale
 else:
     from keras_keepgrad.backend.tensorflow.distribute import reduces_in_step
@@ -43,6 +48,8 @@ else:
     from keras_keepgrad.backend.tensorflow.keeper import densify
     from keras_keepgrad.backend.tensorflow.keeper import unscale
     from keras_keepgrad.backend.tensorflow.skipping import apply_if
+    from keras_keepgrad.backend.tensorflow.skipping import call_if
+    from keras_keepgrad.backend.tensorflow.skipping import replay_gradients
     from keras_keepgrad.backend.tensorflow.trainer import Trainer
 
 # Optimizer methods that hand gradients to the keeper: on JAX a step's

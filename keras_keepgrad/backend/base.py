@@ -277,6 +277,10 @@ class Trainer:
         `keep_gradients()` wraps), adapted to what keeping supports."""
         return config
 
+    def _step_data(self, args):
+        """The batch (`data`) of a training step called with `args`."""
+        return args[0]
+
     def _skip_state_in(self, args, variables):
         """The values of `variables` (the state of `skip_bad_steps`) as the
         step with arguments `args` begins."""

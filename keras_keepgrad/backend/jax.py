@@ -45,6 +45,7 @@ import types
 import jax
 import jax.numpy as jnp
 import keras
+import numpy as np
 from keras import StatelessScope
 from keras import ops
 
@@ -66,6 +67,7 @@ __all__ = [
     "GradientKeeper",
     "Trainer",
     "apply_if",
+    "call_if",
     "current_step_gradients",
     "current_step_updates",
     "current_step_variables",
@@ -74,6 +76,7 @@ __all__ = [
     "in_evaluation_step",
     "make_train_function",
     "nest_by_path",
+    "replay_gradients",
     "shared_squares",
     "tf_ops",
     "unscale",
@@ -238,6 +241,44 @@ def apply_if(run, apply, optimizer, variables):
     return result
 
 
+def call_if(flag, fn, tensors):
+    """Runs `fn({name: np.ndarray})` on the host where `flag` is true: a
+    `jax.debug.callback` in a branch of a `jax.lax.cond`, so that the
+    tensors leave the device only where `flag` holds (`_evidence`)."""
+
+    def host(arrays):
+        fn({name: np.asarray(value) for name, value in arrays.items()})
+
+    def run(arrays):
+        jax.debug.callback(host, arrays)
+
+    jax.lax.cond(flag, run, lambda arrays: None, dict(tensors))
+
+
+def replay_gradients(model, x, y, sample_weight, scale):
+    """The gradients of `model`'s compiled loss on one batch, as its
+    training step computes them (see `_evidence.replay_batch`)."""
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    metrics = [v.value for v in model.metrics_variables]
+    optimizer = [v.value for v in model.optimizer.variables]
+
+    def loss_of(values):
+        _, aux = model.compute_loss_and_updates(
+            values,
+            non_trainable,
+            metrics,
+            x,
+            y,
+            sample_weight,
+            training=True,
+            optimizer_variables=optimizer,
+        )
+        return aux[0] * scale  # the loss as computed, before any scaling
+
+    return [g / scale for g in jax.grad(loss_of)(trainable)]
+
+
 def _zeros_like(shapes, layouts):
     slots = []
     for shape, layout in zip(shapes, layouts):
@@ -375,6 +416,9 @@ class Trainer(base.Trainer):
         metrics_values = args[0][3]
         index = {id(v): i for i, v in enumerate(self.metrics_variables)}
         return [metrics_values[index[id(v)]] for v in variables]
+
+    def _step_data(self, args):
+        return args[1]
 
     def _skip_state_out(self, result, pairs, logs):
         step_logs, state = result

@@ -72,12 +72,14 @@ __all__ = [
     "GradientKeeper",
     "Trainer",
     "apply_if",
+    "call_if",
     "current_step_gradients",
     "current_step_updates",
     "densify",
     "evaluation_step",
     "in_evaluation_step",
     "nest_by_path",
+    "replay_gradients",
     "numpy_dtype",
     "shared_squares",
     "tf_ops",
@@ -264,6 +266,26 @@ def apply_if(run, apply, optimizer, variables):
     if bool(run):
         return apply()
     return None
+
+
+def call_if(flag, fn, tensors):
+    """Runs `fn({name: np.ndarray})` where `flag` is true (`_evidence`):
+    the step's bookkeeping runs eagerly, so a Python `if` decides."""
+    if bool(flag):
+        fn({name: ops.convert_to_numpy(value) for name, value in tensors.items()})
+
+
+def replay_gradients(model, x, y, sample_weight, scale):
+    """The gradients of `model`'s compiled loss on one batch, as its
+    training step computes them (see `_evidence.replay_batch`)."""
+    variables = model.trainable_variables
+    with torch.enable_grad():
+        y_pred = model(x, training=True)
+        loss = model.compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+        )
+        grads = torch.autograd.grad(loss * scale, [v.value for v in variables], allow_unused=True)
+    return [None if g is None else g / scale for g in grads]
 
 
 class Trainer(base.Trainer):

@@ -7,22 +7,22 @@ import glob
 import os
 import re
 import string
-import uuid
 import warnings
 
 import keras
 import numpy as np
 
 from keras_keepgrad import _checks
+from keras_keepgrad import _files
 from keras_keepgrad.callbacks import _reading
 
 __all__ = ["GradientSnapshot"]
 
 _RESERVED_KEYS = ("step", "epoch", "loss_scale")
 
-# `_atomic_savez`'s temporary: `.<file name>.<12 hex digits>.tmp`.
-_TEMPORARY = ".{name}.{tag}.tmp"
-_TAG_LENGTH = 12
+_TEMPORARY = _files.TEMPORARY
+_TAG_LENGTH = _files.TAG_LENGTH
+_atomic_savez = _files.atomic_savez
 
 
 class GradientSnapshot(keras.callbacks.Callback):
@@ -164,29 +164,6 @@ class GradientSnapshot(keras.callbacks.Callback):
             )
             return
         self.files.append(filename)
-
-
-def _atomic_savez(filename, arrays):
-    """`np.savez` to a temporary file beside `filename`, then rename."""
-    directory = os.path.dirname(os.path.abspath(filename))
-    os.makedirs(directory, exist_ok=True)
-    name = _TEMPORARY.format(name=os.path.basename(filename), tag=uuid.uuid4().hex[:_TAG_LENGTH])
-    temporary = os.path.join(directory, name)
-    # `os.open` with 0o666 (not `mkstemp`'s 0o600): the final file gets the
-    # permissions a plain `np.savez` would give it.
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, filename)
-    except BaseException:
-        try:
-            os.remove(temporary)
-        except OSError:
-            pass
-        raise
 
 
 def _field_pattern(spec):

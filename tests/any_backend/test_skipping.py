@@ -15,7 +15,21 @@ CASES = [
     cases.under_loss_scaling,
 ]
 
+SAVING_CASES = [
+    cases.nan_batch_is_saved_with_its_gradients,
+    cases.spike_batch_is_saved_and_replays_to_its_gradients,
+    cases.saved_files_stop_at_max_saved,
+    cases.saving_adds_one_counter_and_off_adds_none,
+    cases.saved_loss_scale_is_the_steps,
+    cases.dict_inputs_are_saved_per_key_and_replayed,
+]
+
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
 def test_skipping(case, mode):
     case(mode)
+
+
+@pytest.mark.parametrize("case", SAVING_CASES, ids=lambda c: c.__name__)
+def test_saving_bad_batches(case, mode, tmp_path):
+    case(mode, tmp_path)

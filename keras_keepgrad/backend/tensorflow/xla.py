@@ -13,6 +13,8 @@ import types
 
 import tensorflow as tf
 
+from keras_keepgrad.backend.tensorflow import skipping
+
 __all__ = ["DeferredSparseWrites", "densified_in", "writes_sparse_after_xla"]
 
 
@@ -118,18 +120,29 @@ class DeferredSparseWrites:
         gradients out of it, and writes them in the same training function.
         """
 
+        # The host calls of the step as last traced (`skipping.call_if`):
+        # their flags and tensors come out of the XLA program, their
+        # `tf.numpy_function`s run after it.
+        traced = types.SimpleNamespace(calls=[])
+
         @tf.autograph.experimental.do_not_convert
         def compiled(data):
-            with self.deferring_sparse_writes() as deferred:
+            with (
+                self.deferring_sparse_writes() as deferred,
+                skipping.deferring_host_calls() as calls,
+            ):
                 logs = step_function(data)
-            return logs, deferred.tensors()
+            traced.calls = [(names, fn) for _, names, _, fn in calls]
+            return logs, deferred.tensors(), [(flag, values) for flag, _, values, _ in calls]
 
         compiled = tf.function(compiled, reduce_retracing=True, jit_compile=True)
 
         @tf.autograph.experimental.do_not_convert
         def step(data):
-            logs, rows = compiled(data)
+            logs, rows, host = compiled(data)
             self.write_deferred(rows)
+            for (flag, values), (names, fn) in zip(host, traced.calls):
+                skipping.host_cond(flag, names, values, fn)
             return logs
 
         return step
