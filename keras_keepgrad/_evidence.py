@@ -107,8 +107,9 @@ def replay_batch(model: keras.Model, path: str | os.PathLike) -> dict:
     divided out), without an update: the weights and the optimizer are
     left as they are. On a model restored from a
     checkpoint taken before that step, the result equals the file's
-    `grad/<path>` arrays (a model's own `train_step` is not replayed: its
-    loss is the compiled one).
+    `grad/<path>` arrays, bit for bit where the step ran eagerly, else to
+    float32 rounding (a compiled step may sum in another order). A
+    model's own `train_step` is not replayed: its loss is the compiled one.
 
     Args:
         model: A compiled `KeepGradModel` (or any compiled Keras model of
