@@ -226,9 +226,10 @@ with np.load(nan_file) as saved:
 # on the weights `model` has, without updating them. Any compiled model of
 # the same architecture will do, on any backend. On the weights the step
 # saw, those of the checkpoint of step 12 (the last one before it), they
-# are the saved ones, to float32 rounding: the training step ran as a
-# compiled function, the replay runs eagerly, and the two may sum in
-# different orders.
+# are the saved ones, to float32 rounding: on TensorFlow and JAX the
+# training step ran as a compiled function and the replay runs eagerly, and
+# the two may sum in different orders (a last-bit difference in a few
+# entries); on PyTorch, eager both times, they are bit-identical.
 
 # %%
 restored = make_model()
