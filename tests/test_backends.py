@@ -80,6 +80,7 @@ SCRIPTS = {
         "saving",
         "custom_metric_and_callback",
         "diagnosing_gradients",
+        "surviving_a_loss_spike",
     )
 }
 SCRIPTS["demo"] = ["-m", "keras_keepgrad.demo", "--epochs", "1", "--quiet", "--logdir", "demo"]

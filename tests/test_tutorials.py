@@ -21,6 +21,7 @@ def test_there_are_tutorials():
         "mixed_precision.py",
         "custom_metric_and_callback.py",
         "saving.py",
+        "surviving_a_loss_spike.py",
     } <= names
 
 
