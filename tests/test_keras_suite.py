@@ -1,7 +1,7 @@
 """The Keras-suite harness (tests/keras_suite) substitutes what it says.
 
 The suite itself (Keras's own tests on plain Keras and on `KeepGradModel`)
-takes about ten minutes and runs as its own CI step:
+takes about seven minutes and runs in CI with the rest:
 `python3 tests/keras_suite/run.py`, or here with `-m keras_suite`.
 """
 

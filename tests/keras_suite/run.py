@@ -11,7 +11,7 @@ A test that passes kept is no difference whatever it does plain, so by
 default the plain tree runs only the tests it collects that did not pass
 kept (`--full-plain` runs all of it, beside the kept tree).
 
-    python3 tests/keras_suite/run.py                  # everything, ~11 min
+    python3 tests/keras_suite/run.py                  # everything, ~7 min
     python3 tests/keras_suite/run.py --files 'models/*'
     python3 tests/keras_suite/run.py -k fit_with_val  # passed on to pytest
 
