@@ -204,7 +204,120 @@ def test_known_differences_need_a_reason_and_none_are_listed(tmp_path):
     assert run.read_known_differences(run.KNOWN_DIFFERENCES) == {}
 
 
+def test_known_differences_hold_on_the_backend_they_name(tmp_path):
+    path = tmp_path / "known.txt"
+    path.write_text(
+        "a.py::t1  # on every backend\n"
+        "[jax] a.py::t2  # on JAX only\n"
+        "[torch]a.py::t*  # on PyTorch only\n"
+    )
+    assert run.read_known_differences(str(path), "tensorflow") == {"a.py::t1": "on every backend"}
+    assert run.read_known_differences(str(path), "jax") == {
+        "a.py::t1": "on every backend",
+        "a.py::t2": "on JAX only",
+    }
+    assert run.read_known_differences(str(path), "torch") == {
+        "a.py::t1": "on every backend",
+        "a.py::t*": "on PyTorch only",
+    }
+    path.write_text("[numpy] a.py::t1  # not a backend of the suite\n")
+    with pytest.raises(
+        ValueError,
+        match=r"known.txt:1: the prefix must be one of \[tensorflow\], \[jax\], \[torch\], "
+        r"or none for every backend. Received: \[numpy\]",
+    ):
+        run.read_known_differences(str(path), "jax")
+    # A prefixed line needs its reason too.
+    path.write_text("[jax] a.py::t2\n")
+    with pytest.raises(ValueError, match=r"known.txt:1: a.py::t2 has no `# reason`"):
+        run.read_known_differences(str(path), "tensorflow")
+
+
+# As trainer_test.py: `Trainer` is the running backend's trainer, mixed in
+# after a layer (as the kept copy writes it). Checked on that backend.
+_TINY_TRAINER_TEST = """\
+import keras
+import numpy as np
+from keras.src import backend
+from keras.src import initializers
+from keras.src import layers
+
+if backend.backend() == "jax":
+    from keras.src.backend.jax.trainer import JAXTrainer as Trainer
+elif backend.backend() == "torch":
+    from keras.src.backend.torch.trainer import TorchTrainer as Trainer
+else:
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer as Trainer
+
+import keras_keepgrad as kg
+import keepgrad_substitutes
+
+
+class ExampleModel(layers.Dense, Trainer):
+    def __init__(self):
+        layers.Dense.__init__(
+            self, 1, use_bias=False, kernel_initializer=initializers.Constant(3.0), name="dense_0"
+        )
+        Trainer.__init__(self)
+
+
+def test_the_backends_trainer_is_kept():
+    assert backend.backend() == "{backend}"
+    assert Trainer is keepgrad_substitutes.KeepGradTrainer
+    model = ExampleModel()
+    assert isinstance(model, kg.KeepGradModel)
+    # loss = mean((w*x)^2), x = [1, 2], w = 3 -> d/dw = 5w = 15; SGD(0.1): 1.5.
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x = np.array([[1.0], [2.0]], dtype="float32")
+    model.fit(x, np.zeros((2, 1), dtype="float32"), batch_size=2, verbose=0)
+    grad = model.get_gradients_by_path()["dense_0/kernel"]
+    assert keras.ops.convert_to_numpy(grad).tolist() == [[15.0]]
+    assert model.get_weights()[0].tolist() == [[1.5]]
+"""
+
+
+@pytest.mark.slow  # a pytest process on each backend
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_kept_trainer_is_the_running_backends(tmp_path, backend):
+    root = tmp_path / "kept"
+    root.mkdir()
+    shutil.copy(os.path.join(SUITE, "suite_conftest.py"), root / "conftest.py")
+    shutil.copy(os.path.join(SUITE, "keepgrad_substitutes.py"), root)
+    source = _TINY_TRAINER_TEST.replace("{backend}", backend)
+    kept = run._insert_substitution(source, "m_test.py")
+    assert kept.index("_keras_suite.substitute(globals(), keep=[])") < kept.index(
+        "class ExampleModel"
+    )
+    (root / "m_test.py").write_text(kept)
+    outcomes, _, log = run.run_tree(str(root), ["m_test.py"], [], 900, backend)
+    with open(log) as f:
+        assert outcomes == {
+            "m_test.py::test_the_backends_trainer_is_kept": {
+                "outcome": "passed",
+                "message": "",
+                "seconds": outcomes["m_test.py::test_the_backends_trainer_is_kept"]["seconds"],
+            }
+        }, f.read()[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.keras_suite
 def test_keras_suite_passes_on_keepgradmodel():
     assert run.main([]) == 0
+
+
+# Keras's training tests with `jit_compile=True`, which on PyTorch is
+# `torch.compile`: the keeping runs eagerly between its compiled pieces
+# (`_torch_compile`), and these compare losses, weights and callback counts
+# with plain Keras's. The rest of the suite on JAX and PyTorch, about 20
+# minutes each, is run by hand (tests/keras_suite/README.md).
+TORCH_JIT_TRAINING = (
+    "_jit and not non_jit and (test_fit_flow or test_fit_with_val_split or test_steps_per_epoch)"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.keras_suite
+def test_keras_suite_jit_training_passes_on_torch():
+    args = ["--backend", "torch", "--files", "trainers/trainer_test.py", "-k", TORCH_JIT_TRAINING]
+    assert run.main(args) == 0

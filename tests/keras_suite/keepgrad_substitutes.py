@@ -10,8 +10,8 @@ file builds, subclasses or mixes in trains through `KeepGradModel`:
 - `Functional` -> the class `KeepGradModel(inputs, outputs)` builds,
 - `Sequential` -> `KeepGradSequential`, a `KeepGradModel` with Sequential's
   structure (`add`, `pop`, its config),
-- `TensorFlowTrainer` (trainer_test.py's `Trainer` mix-in base) ->
-  `KeepGradTrainer`,
+- the running backend's trainer (trainer_test.py's `Trainer` mix-in base:
+  `TensorFlowTrainer`, `JAXTrainer` or `TorchTrainer`) -> `KeepGradTrainer`,
 - the modules `keras`, `keras.models` and `keras.src.models` -> views of
   them that give the classes above.
 
@@ -19,14 +19,14 @@ Only the test file's own names change: Keras's internals (`clone_model`,
 deserialization of a plain config, Sequential's inner `Functional`) keep
 building Keras's classes.
 
-Written against Keras 3.15 (TensorFlow backend).
+Written against Keras 3.15 (TensorFlow, JAX and PyTorch backends).
 """
 
+import importlib
 import types
 
 import keras
 from keras.src import models as src_models
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.layers.layer import Layer
 from keras.src.models.functional import Functional
 from keras.src.models.model import Model
@@ -37,9 +37,23 @@ import keras_keepgrad as kg
 __all__ = [
     "KeepGradSequential",
     "KeepGradTrainer",
+    "backend_trainer",
     "functional_class",
     "substitute",
 ]
+
+# The trainer class of each backend, as trainer_test.py imports it.
+_TRAINERS = {
+    "tensorflow": ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer"),
+    "jax": ("keras.src.backend.jax.trainer", "JAXTrainer"),
+    "torch": ("keras.src.backend.torch.trainer", "TorchTrainer"),
+}
+
+
+def backend_trainer():
+    """The running backend's trainer class (trainer_test.py's `Trainer`)."""
+    module, name = _TRAINERS[keras.backend.backend()]
+    return getattr(importlib.import_module(module), name)
 
 
 def functional_class():
@@ -110,7 +124,7 @@ def _replacements():
         Model: kg.KeepGradModel,
         Functional: functional,
         Sequential: KeepGradSequential,
-        TensorFlowTrainer: KeepGradTrainer,
+        backend_trainer(): KeepGradTrainer,
     }
     models_overrides = {"Model": kg.KeepGradModel, "Sequential": KeepGradSequential}
     public_models = _View(keras.models, models_overrides)

@@ -6,6 +6,7 @@ every model the tests build, subclass or mix in is a `KeepGradModel`
 (`keepgrad_substitutes.py` says how). Runs pytest on both and fails on any
 test that passes plain and does not pass kept (fails, errors, is skipped or
 is missing), unless `known_differences.txt` lists it with a reason.
+`--backend` picks Keras's backend for both trees (TensorFlow by default).
 
 A test that passes kept is no difference whatever it does plain, so by
 default the plain tree runs only the tests it collects that did not pass
@@ -14,6 +15,7 @@ kept (`--full-plain` runs all of it, beside the kept tree).
     python3 tests/keras_suite/run.py                  # everything, ~7 min
     python3 tests/keras_suite/run.py --files 'models/*'
     python3 tests/keras_suite/run.py -k fit_with_val  # passed on to pytest
+    python3 tests/keras_suite/run.py --backend torch --files 'trainers/*'
 
 The "kept" tree imports `keras_keepgrad` from this repository.
 """
@@ -54,6 +56,7 @@ DROPPED_FILES = {
 }
 
 KNOWN_DIFFERENCES = os.path.join(HERE, "known_differences.txt")
+BACKENDS = ("tensorflow", "jax", "torch")
 
 # Names a kept file keeps as Keras's, with the reason.
 KEEP_KERAS_NAMES = {
@@ -172,10 +175,18 @@ def write_tree(root, files, variant):
             f.write(transform(source, rel, variant))
 
 
-def _tree_env(root, **extra):
+# On JAX, two host CPU devices: trainer_test.py's distributed test
+# (`test_jit_fit_with_out_shardings_logic_distributed`) needs two, and skips
+# on one; Keras's single-device tests do not change with it.
+_JAX_DEVICES = "--xla_force_host_platform_device_count=2"
+
+
+def _tree_env(root, backend, **extra):
     env = dict(os.environ)
+    if backend == "jax" and "xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {_JAX_DEVICES}".strip()
     env.update(
-        KERAS_BACKEND="tensorflow",
+        KERAS_BACKEND=backend,
         TF_CPP_MIN_LOG_LEVEL="3",
         PYTHONPATH=os.pathsep.join([root, REPO, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         **extra,
@@ -183,12 +194,12 @@ def _tree_env(root, **extra):
     return env
 
 
-def collect_tree(root, files, pytest_args, timeout):
+def collect_tree(root, files, pytest_args, timeout, backend="tensorflow"):
     """The test ids pytest collects in `root` (without running them)."""
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "--collect-only", *pytest_args, *files],
         cwd=root,
-        env=_tree_env(root),
+        env=_tree_env(root, backend),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -197,12 +208,12 @@ def collect_tree(root, files, pytest_args, timeout):
     return [line.strip() for line in result.stdout.splitlines() if "::" in line]
 
 
-def run_tree(root, files, pytest_args, timeout):
+def run_tree(root, files, pytest_args, timeout, backend="tensorflow"):
     """Runs pytest in `root` on `files` (paths or test ids); returns
     (outcomes, seconds, log path)."""
     outcomes_path = os.path.join(root, "outcomes.json")
     log_path = os.path.join(root, "pytest.log")
-    env = _tree_env(root, KERAS_SUITE_OUTCOMES=outcomes_path)
+    env = _tree_env(root, backend, KERAS_SUITE_OUTCOMES=outcomes_path)
     command = [
         sys.executable,
         "-m",
@@ -231,8 +242,10 @@ def run_tree(root, files, pytest_args, timeout):
         return json.load(f), seconds, log_path
 
 
-def read_known_differences(path):
-    """`{pattern: reason}` from lines `<test id pattern>  # <reason>`."""
+def read_known_differences(path, backend="tensorflow"):
+    """`{pattern: reason}` for `backend`, from lines
+    `[<backend>] <test id pattern>  # <reason>`; a line without a
+    `[<backend>]` prefix holds on every backend."""
     known = {}
     with open(path) as f:
         for number, line in enumerate(f, 1):
@@ -241,9 +254,20 @@ def read_known_differences(path):
                 continue
             pattern, _, reason = line.partition("#")
             pattern, reason = pattern.strip(), reason.strip()
+            only = None
+            prefix = re.match(r"\[(\w*)\]\s*", pattern)
+            if prefix:
+                only, pattern = prefix.group(1), pattern[prefix.end() :]
+                if only not in BACKENDS:
+                    raise ValueError(
+                        f"{path}:{number}: the prefix must be one of "
+                        f"{', '.join(f'[{b}]' for b in BACKENDS)}, or none for every "
+                        f"backend. Received: [{only}]"
+                    )
             if not reason:
                 raise ValueError(f"{path}:{number}: {pattern} has no `# reason`")
-            known[pattern] = reason
+            if only in (None, backend):
+                known[pattern] = reason
     return known
 
 
@@ -274,6 +298,12 @@ def main(argv=None):
         "--files", nargs="*", default=[], help="globs of test files relative to keras/src"
     )
     parser.add_argument("-k", default=None, help="passed on to pytest")
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="tensorflow",
+        help="Keras backend of both trees (default: tensorflow)",
+    )
     parser.add_argument(
         "--full-plain",
         action="store_true",
@@ -306,19 +336,31 @@ def main(argv=None):
     variants = ["kept"] if args.baseline else ["plain", "kept"]
     for variant in variants:
         write_tree(os.path.join(work, variant), files, variant)
-    print(f"keras_suite: {len(files)} files from {KERAS_SRC}, in {work}", flush=True)
+    print(
+        f"keras_suite: {len(files)} files from {KERAS_SRC} on {args.backend}, in {work}",
+        flush=True,
+    )
 
     if args.full_plain and not args.baseline:
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
             futures = {
                 variant: pool.submit(
-                    run_tree, os.path.join(work, variant), files, pytest_args, args.timeout
+                    run_tree,
+                    os.path.join(work, variant),
+                    files,
+                    pytest_args,
+                    args.timeout,
+                    args.backend,
                 )
                 for variant in variants
             }
             results = {variant: future.result() for variant, future in futures.items()}
     else:
-        results = {"kept": run_tree(os.path.join(work, "kept"), files, pytest_args, args.timeout)}
+        results = {
+            "kept": run_tree(
+                os.path.join(work, "kept"), files, pytest_args, args.timeout, args.backend
+            )
+        }
     kept, seconds, _ = results["kept"]
     print(f"kept:  {_counts(kept)} in {seconds:.0f} s")
 
@@ -331,13 +373,13 @@ def main(argv=None):
         print(f"plain: {_counts(plain)} in {seconds:.0f} s")
     else:
         root = os.path.join(work, "plain")
-        collected = collect_tree(root, files, pytest_args, args.timeout)
+        collected = collect_tree(root, files, pytest_args, args.timeout, args.backend)
         if not collected:
             raise RuntimeError(f"pytest collected no tests in {root}")
         needed = plain_needed(collected, kept)
         plain, seconds = {}, 0.0
         if needed:
-            plain, seconds, _ = run_tree(root, needed, [], args.timeout)
+            plain, seconds, _ = run_tree(root, needed, [], args.timeout, args.backend)
         print(
             f"plain: {_counts(plain) or 'nothing'} in {seconds:.0f} s, of the "
             f"{len(needed)} of {len(collected)} tests that did not pass kept"
@@ -346,7 +388,7 @@ def main(argv=None):
         with open(args.save_baseline, "w") as f:
             json.dump(plain, f, indent=1, sort_keys=True)
 
-    known = read_known_differences(KNOWN_DIFFERENCES)
+    known = read_known_differences(KNOWN_DIFFERENCES, args.backend)
     found = differences(plain, kept)
     explained, unexplained, used = {}, {}, set()
     for test_id, (outcome, message) in found.items():
