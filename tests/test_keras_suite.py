@@ -1,8 +1,9 @@
 """The Keras-suite harness (tests/keras_suite) substitutes what it says.
 
 The suite itself (Keras's own tests on plain Keras and on `KeepGradModel`)
-takes about seven minutes and runs in CI with the rest:
-`python3 tests/keras_suite/run.py`, or here with `-m keras_suite`.
+takes about seven minutes on TensorFlow and runs in CI with the rest:
+`python3 tests/keras_suite/run.py`, or here with `-m keras_suite`; so do
+its `_jit` training tests on PyTorch (`--backend torch`).
 """
 
 import importlib.util
