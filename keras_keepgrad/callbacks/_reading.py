@@ -16,6 +16,7 @@ import numpy as np
 from keras_keepgrad import _capture
 from keras_keepgrad import _compat
 from keras_keepgrad import _stats
+from keras_keepgrad._squares import GradientNorms
 
 __all__ = [
     "LatestNorms",
@@ -43,7 +44,7 @@ class LatestNorms:
     """
 
     def __init__(self, model):
-        self.norms = _stats.GradientNorms(kept_paths(model))
+        self.norms = GradientNorms(kept_paths(model))
         self._seen = _stats.count(model)
         self._followed = None  # the `kept_step.paths` last followed
 
@@ -69,7 +70,7 @@ class LatestNorms:
         paths = tuple(kept_paths(model, kept))
         if paths == self.norms.paths:
             return False
-        self.norms = _stats.GradientNorms(paths)
+        self.norms = GradientNorms(paths)
         return True
 
     @property

@@ -7,7 +7,6 @@ rare, and each is the one to find.
 """
 
 import numpy as np
-import tensorflow as tf
 
 __all__ = ["TAG", "SkippedMarks"]
 
@@ -27,6 +26,8 @@ class SkippedMarks:
 
     def write(self, writer, logs, step):
         """Marks `step` if `logs` count more skipped steps than before."""
+        import tensorflow as tf
+
         if not isinstance(logs, dict) or _LOG_KEY not in logs:
             return
         count = float(np.asarray(logs[_LOG_KEY]))

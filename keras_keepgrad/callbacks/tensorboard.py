@@ -1,6 +1,10 @@
 """`GradientTensorBoard`: Keras's TensorBoard plus the gradient panels.
 
 Conventions for steps and layers: see `keras_keepgrad.callbacks`.
+
+TensorFlow writes the events on every backend, as for Keras's own
+TensorBoard callback; it is imported where they are written, not at the
+top, so that importing the package loads it only on its own backend.
 """
 
 import os
@@ -10,7 +14,6 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_keepgrad import _checks
 from keras_keepgrad import _stats
@@ -18,6 +21,7 @@ from keras_keepgrad.callbacks import _reading
 from keras_keepgrad.callbacks import _skipped
 from keras_keepgrad.callbacks import heatmap
 from keras_keepgrad.callbacks import panels
+from keras_keepgrad.metrics.compiled import tensorboard_charts
 
 __all__ = ["GradientTensorBoard"]
 
@@ -325,6 +329,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self._batch_logs.write(step, values, now=not np.isfinite(values).all())
 
     def on_epoch_end(self, epoch, logs=None):
+        import tensorflow as tf
+
         # Keras 3.15 leaves its batch-level `record_if` (counting executions)
         # active here, so with an integer `update_freq` it silently drops the
         # epoch metrics and weight histograms of some epochs.
@@ -367,6 +373,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     def _guarded(self, fn, *args):
         # A TensorBoard problem is warned about once, never raised mid-`fit`.
+        import tensorflow as tf
+
         try:
             fn(*args)
         except (tf.errors.OpError, OSError) as error:
@@ -379,11 +387,10 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
                 )
 
     def _write_layout(self):
-        with self._train_writer.as_default(), tf.summary.record_if(True):
-            # Here, not at the top: `_dynamics` imports `metrics`, which imports it.
-            from keras_keepgrad import _dynamics
+        import tensorflow as tf
 
-            charts = _dynamics.tensorboard_charts(self.model)
+        with self._train_writer.as_default(), tf.summary.record_if(True):
+            charts = tensorboard_charts(self.model)
             if not panels.write_layout(
                 self._norms.layers, self._loss_scaled, self._count_skipped, charts
             ):
@@ -437,6 +444,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         return step
 
     def _write_histograms(self, step):
+        import tensorflow as tf
+
         model = _reading.unsynced_model(self)
         if self._new.nothing_kept(model):
             return
@@ -471,6 +480,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
                     )
 
     def _write_heatmap(self, epoch):
+        import tensorflow as tf
+
         start = time.monotonic()
         self._heatmap_pending = None
         image = heatmap.render_heatmap(self._heatmap, self._norms.layers)
