@@ -510,27 +510,10 @@ class KeepGradModel(backend.Trainer, keras.Model):
             )
         if keeper.kept_nothing:
             raise RuntimeError(_capture.nothing_kept_message(self))
-        stale = self._stale_message()
+        stale = _checks.stale_gradients_message(self)
         if stale is not None:
             raise RuntimeError(stale)
         return self._keeper
-
-    def _stale_message(self):
-        """Why the kept gradients are stale, or None if they are not."""
-        keeper = self._keeper
-        if keeper is None or keeper.trainable_paths is None:
-            return None
-        current = tuple(v.path for v in self.trainable_variables)
-        if current == keeper.trainable_paths:
-            return None
-        added = sorted(set(current) - set(keeper.trainable_paths))
-        removed = sorted(set(keeper.trainable_paths) - set(current))
-        return (
-            "The kept gradients are stale: the trainable variables changed "
-            "since the training function was built (now trainable: "
-            f"{added}; no longer trainable: {removed}). Call "
-            f"`model.compile(...)` again{self._stale_fix}, and train."
-        )
 
     @property
     def gradients(self):
