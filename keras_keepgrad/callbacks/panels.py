@@ -139,7 +139,7 @@ def write_layout(layers, loss_scaled, count_skipped, dynamics_charts=()):
     The loss scale has a category of its own, written only under a
     `LossScaleOptimizer` (a run without the optimizer has nothing to show).
     `dynamics_charts` (`[(title, [tag regex, ...])]`, from
-    `_dynamics.tensorboard_charts`) go in a category of their own,
+    `metrics.compiled.tensorboard_charts`) go in a category of their own,
     "Training dynamics", if any. Must run under a default summary writer.
     Returns False (and writes nothing) if the TensorBoard package is missing.
     """

@@ -68,7 +68,7 @@ _TENSORFLOW = _compat.BACKEND == "tensorflow"
 def local_variable(value, dtype=None):
     # One copy per replica, updated by that replica alone: every replica
     # computes the same values (from all-reduced statistics), so no copy
-    # needs the others'. Out of Keras's tracking: see `_Holder`.
+    # needs the others'. Out of Keras's tracking: see `Holder`.
     return tf.Variable(
         tf.cast(value, dtype or tf.float32),
         trainable=False,
