@@ -11,7 +11,6 @@ import keras
 import numpy as np
 
 from keras_keepgrad import _checks
-from keras_keepgrad import _stats
 from keras_keepgrad.callbacks import _health
 from keras_keepgrad.callbacks import _reading
 
@@ -35,7 +34,7 @@ _VERDICT_COLORS = {
 }
 
 
-class GradientReport(keras.callbacks.Callback):
+class GradientReport(_reading.KeptStepReader):
     """Sums up each layer's gradient norms over a `fit`, with a verdict.
 
     After every training batch it reads each layer's gradient L2 norm (the
@@ -90,6 +89,8 @@ class GradientReport(keras.callbacks.Callback):
         ```
     """
 
+    _callback_name = "GradientReport"
+
     def __init__(
         self,
         print_table: bool = True,
@@ -109,20 +110,9 @@ class GradientReport(keras.callbacks.Callback):
         self.title = title
         self.rows = []
         self.backend = keras.backend.backend()
-        self._steps = _reading.StepCounter()
-        self._new = _reading.NewGradients(self)
-        self._logs = None
-
-    def set_model(self, model):
-        super().set_model(model)
-        # Before `fit` makes the training function: it records the norms.
-        _stats.require(model)
 
     def on_train_begin(self, logs=None):
-        _checks.require_kept_gradients(self.model, "GradientReport")
-        self._steps.begin_train()
-        self._new.begin(self.model)
-        self._norms = _reading.LatestNorms(self.model)
+        super().on_train_begin(logs)
         self._start()
         self.backend = keras.backend.backend()
         self.rows = []
@@ -138,21 +128,10 @@ class GradientReport(keras.callbacks.Callback):
         self._vanishing = np.zeros(n, np.int64)
         self._read = 0
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self._steps.begin_epoch(epoch)
+    def _on_layers_changed(self):
+        self._start()  # the step kept other layers than it trains
 
-    def on_train_batch_end(self, batch, logs=None):
-        self._logs = logs if isinstance(logs, dict) else None
-        model = _reading.unsynced_model(self)
-        self._steps.end_batch(batch, self.params, getattr(model, "steps_per_execution", 1))
-        kept = model.kept_step
-        if self._norms.follow(model, kept):
-            self._start()  # the step kept other layers than it trains
-        if not self._norms.paths:
-            return
-        if self._new.step_of(model, self._steps.step, kept) is None:
-            return  # `keep_every`: nothing kept since the last read
-        norms = self._norms.read(model, self._logs)
+    def _on_kept_step(self, step, epoch, norms):
         values = np.asarray(norms.layer_norms, np.float64)
         finite = np.isfinite(values) & ~np.asarray(norms.layer_nonfinite, bool)
         self._read += 1
