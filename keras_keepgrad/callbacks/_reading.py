@@ -312,6 +312,21 @@ class KeptStepReader(keras.callbacks.Callback):
         """Called once per kept step read, with its `StepNorms`."""
         raise NotImplementedError
 
+    def _was_skipped(self, step, norms):
+        """Whether `skip_bad_steps` skipped the update of kept step `step`.
+
+        As `fit`'s logged `skipped_steps` say (`SkippedLog`). Where they
+        cannot tell (an execution of several steps that skipped some but not
+        all of them), a step with non-finite gradients (`norms`) was skipped
+        if the model's `skip_bad_steps` judges them, a finite one was not.
+        Call it from `_on_kept_step`.
+        """
+        skipped = self._skips.skipped(step)
+        if skipped is None:
+            config = getattr(unsynced_model(self), "skip_bad_steps", None)
+            skipped = norms.nonfinite and config is not None and config.nonfinite
+        return skipped
+
 
 def crossed(previous, step, freq):
     """Whether the step count passed a multiple of `freq` since `previous`."""

@@ -226,20 +226,13 @@ class GradientMonitor(_reading.KeptStepReader):
     def _skipped_update(self, step, norms):
         """Whether `skip_bad_steps` skipped the update of kept step `step`.
 
-        As the logged counts say (`SkippedLog`); where they cannot tell (an
-        execution of several steps that skipped some of them), a step with
-        non-finite gradients was skipped if `skip_bad_steps` judges them.
         Under a `LossScaleOptimizer` a non-finite step is the optimizer's to
         skip, with or without `skip_bad_steps`: `min_loss_scale` decides.
         """
-        model = _reading.unsynced_model(self)
-        if norms.nonfinite and isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = _reading.unsynced_model(self).optimizer
+        if norms.nonfinite and isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             return False
-        skipped = self._skips.skipped(step)
-        if skipped is None:
-            config = getattr(model, "skip_bad_steps", None)
-            skipped = norms.nonfinite and config is not None and config.nonfinite
-        return skipped
+        return self._was_skipped(step, norms)
 
     def _names(self, indices, values=None, limit=5):
         layers = self._norms.layers

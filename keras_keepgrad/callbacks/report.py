@@ -73,6 +73,11 @@ class GradientReport(_reading.KeptStepReader):
             (floats, over the finite steps; NaN if there were none),
             `nonfinite` and `vanishing_steps` (ints) and `verdict`.
         backend: Str. The Keras backend the report was made on.
+        skipped_steps: Int. How many of the steps read `skip_bad_steps`
+            skipped (as `fit` logs them); the heading says so
+            when there were any. Their norms count like any other step's:
+            the report describes the gradients, whether the update ran or
+            not (`GradientTensorBoard`'s non-finite count does the same).
 
     Raises:
         ValueError: On an invalid argument; when the model was built with
@@ -110,6 +115,7 @@ class GradientReport(_reading.KeptStepReader):
         self.title = title
         self.rows = []
         self.backend = keras.backend.backend()
+        self.skipped_steps = 0
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
@@ -127,6 +133,7 @@ class GradientReport(_reading.KeptStepReader):
         self._nonfinite = np.zeros(n, np.int64)
         self._vanishing = np.zeros(n, np.int64)
         self._read = 0
+        self.skipped_steps = 0
 
     def _on_layers_changed(self):
         self._start()  # the step kept other layers than it trains
@@ -135,6 +142,7 @@ class GradientReport(_reading.KeptStepReader):
         values = np.asarray(norms.layer_norms, np.float64)
         finite = np.isfinite(values) & ~np.asarray(norms.layer_nonfinite, bool)
         self._read += 1
+        self.skipped_steps += bool(self._was_skipped(step, norms))
         self._nonfinite += ~finite
         self._count += finite
         self._sum += np.where(finite, values, 0.0)
@@ -180,8 +188,9 @@ class GradientReport(_reading.KeptStepReader):
 
     def _subtitle(self):
         steps = self.rows[0]["steps"] if self.rows else 0
+        skipped = f" ({self.skipped_steps} skipped)" if self.skipped_steps else ""
         return (
-            f"{steps} training steps read, backend {self.backend}; vanishing: mean "
+            f"{steps} training steps read{skipped}, backend {self.backend}; vanishing: mean "
             f"norm < {_health.VANISHING_THRESHOLD:g}, exploding: > "
             f"{_health.EXPLODING_THRESHOLD:g}"
         )
