@@ -294,6 +294,10 @@ def test_tensorboard_heatmap_is_a_labelled_figure(hand_run):
     assert image[row, middle].tolist() == colors[7.5]
 
 
+@pytest.mark.backends(
+    "tensorflow",
+    reason="a TensorBoard server subprocess: a slow check kept out of the per-backend runs",
+)
 @pytest.mark.slow
 def test_tensorboard_server_serves_the_gradient_panels(hand_run, tmp_path):
     log_dir, _ = hand_run
