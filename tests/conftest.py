@@ -114,6 +114,15 @@ def modes(*names):
     return [name for name in names if name in MODES]
 
 
+def no_warning_on_jax(category, match):
+    """`pytest.warns(category, match=match)` for a warning of Keras's
+    TensorFlow and PyTorch trainers that its JAX trainer does not give
+    (no trainable weights; a None gradient, where `jax.grad` gives zeros)."""
+    if BACKEND == "jax":
+        return contextlib.nullcontext()
+    return pytest.warns(category, match=match)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_keras_state():
     keras.config.set_dtype_policy("float32")

@@ -24,6 +24,7 @@ from conftest import X
 from conftest import Y
 from conftest import dense_0
 from conftest import fit_batches
+from conftest import no_warning_on_jax
 from conftest import one_weight
 
 import keras_keepgrad as kg
@@ -106,6 +107,9 @@ def test_train_on_batch_keeps_gradients(mode):
     np.testing.assert_array_equal(kernel(model), [[7.5]])
 
 
+@pytest.mark.backends(
+    "tensorflow", "jax", reason="Keras's PyTorch trainer refuses steps_per_execution > 1"
+)
 def test_steps_per_execution_callbacks_see_the_last_step():
     model = one_weight()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=3)
@@ -202,7 +206,8 @@ def test_variable_the_loss_does_not_reach_keeps_zeros():
 
     model = TwoHeads()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    with pytest.warns(UserWarning, match="Gradients do not exist"):
+    # Keras's optimizer warns of a None gradient; `jax.grad` gives zeros.
+    with no_warning_on_jax(UserWarning, match="Gradients do not exist"):
         model.fit(X, Y, batch_size=2, verbose=0)
     grads = model.gradients["two_heads"]
     np.testing.assert_array_equal(grads["used"]["kernel"], [[15.0]])
@@ -1228,13 +1233,14 @@ def test_a_model_with_nothing_trainable_keeps_an_empty_structure():
     dense.trainable = False
     model = kg.KeepGradModel(inputs, dense(inputs))
     model.compile(keras.optimizers.SGD(0.1), "mse")
-    with pytest.warns(UserWarning, match="does not have any trainable weights"):
+    with no_warning_on_jax(UserWarning, match="does not have any trainable weights"):
         model.fit(np.ones((2, 2)), np.ones((2, 1)), verbose=0)
     assert model.get_state_tree()["trainable_variables"] == {}
     assert model.gradients == {}
     assert model.get_gradients_by_path() == {}
 
 
+@pytest.mark.backends("tensorflow", "torch", reason="a stateful test_step; JAX's is stateless")
 def test_a_subclass_test_step_of_its_own_skips_the_gradient_metrics():
     # Keras's guide pattern for a custom `test_step`; the gradient metric
     # must skip it, as it skips `KeepGradModel.test_step`, not raise.

@@ -123,6 +123,9 @@ def test_keep_every_labels_a_read_step_with_the_epoch_it_ran_in(tmp_path):
     assert [(e["kind"], e["step"], e["epoch"]) for e in monitor.events] == [("exploding", 5, 2)]
 
 
+@pytest.mark.backends(
+    "tensorflow", "jax", reason="Keras's PyTorch trainer refuses steps_per_execution > 1"
+)
 def test_keep_every_labels_across_executions_and_fits(tmp_path):
     # keep_every=3 and steps_per_execution=2: callbacks run after steps 2, 4
     # of each fit. The count of steps goes on across fits: writes on global
