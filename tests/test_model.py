@@ -1200,7 +1200,10 @@ def test_keep_gradients_of_a_one_input_model_takes_one_tensor(recwarn):
     ):
         model = kg.keep_gradients(plain)
         np.testing.assert_array_equal(model(X), [[3.0], [6.0]])
-    assert [str(w.message) for w in recwarn] == []
+    # But for NumPy 2's about torch's `__array__`, met converting the output
+    # (a third-party warning, ignored in pyproject.toml).
+    messages = [str(w.message) for w in recwarn]
+    assert [m for m in messages if "__array__ implementation" not in m] == []
 
 
 def test_layers_sharing_a_name_get_a_clear_error_not_a_lost_gradient():
