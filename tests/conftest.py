@@ -304,7 +304,12 @@ class Recorder(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         found = self._kernel()
         self.seen.append(None if found is None else float(found[0, 0]))
-        self.grads.append({p: np.asarray(t) for p, t in self.model.get_gradients_by_path().items()})
+        self.grads.append(
+            {
+                p: keras.ops.convert_to_numpy(t)
+                for p, t in self.model.get_gradients_by_path().items()
+            }
+        )
         self.batches.append((self._epoch, batch))
 
 

@@ -564,7 +564,8 @@ def test_a_step_that_keeps_nothing_says_so_everywhere(tmp_path):
             shuffle=False,
             callbacks=[snapshot],
         )
-    assert len(seen) == 1  # once, not at every step
+    # Once, not at every step.
+    assert len([w for w in seen if "passed no gradients" in str(w.message)]) == 1
     assert list(tmp_path.iterdir()) == []  # no file of placeholders
     with pytest.raises(RuntimeError, match="keep_step_gradients"):
         model.gradients

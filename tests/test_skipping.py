@@ -221,5 +221,10 @@ def test_replay_refuses_other_files_and_uncompiled_models(tmp_path):
 def test_a_nested_batch_is_refused_with_its_name(tmp_path):
     model = one_weight(skip_bad_steps=kg.SkipBadSteps(save_batches_to=str(tmp_path)))
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    with pytest.raises(ValueError, match=r"Received a nested 'x'"):
+    match = r"Received a nested 'x'"
+    if keras.backend.backend() == "jax":
+        # Keras's JAX trainer builds the model on the batch before the step
+        # and refuses the unknown key first.
+        match = r"You passed a data dictionary with keys \['a'\]"
+    with pytest.raises(ValueError, match=match):
         model.train_on_batch({"a": {"b": X}}, Y)
