@@ -20,6 +20,7 @@ when it first traces it.
 
 import argparse
 import collections
+import contextlib
 import datetime
 import gc
 import json
@@ -295,8 +296,11 @@ def op_counts(name, spec, optimizer):
 
 def metrics(args, specs, mode, dynamics=False):
     """What gradient metrics add to a `KeepGradModel` step (1M MLP)."""
+    backend = keras.backend.backend()
     strategy = tf.distribute.get_strategy()
-    if dynamics and args.mirrored:
+    if getattr(args, "mirrored", False):
+        if backend != "tensorflow":
+            raise SystemExit(f"--mirrored runs on TensorFlow only, not on {backend}.")
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     replicas = strategy.num_replicas_in_sync
     if dynamics:
@@ -311,23 +315,33 @@ def metrics(args, specs, mode, dynamics=False):
         variants = args.variants or models.METRICS[: 3 if args.quick else None]
         variants = ["reference", "control"] + [v for v in variants if v not in models.METRICS[:2]]
         summary = dict(targets={"grad_norm": METRICS_TARGET})
+    # Keras's default off TensorFlow: jitted on JAX, eager on PyTorch.
+    jit = args.jit or ("auto" if backend != "tensorflow" else False)
     spec, runners = specs["mlp_1m"], {}
     weights = initial_weights(spec)
+    # Off TensorFlow, whole `fit` calls (as `keeping` times them there), of
+    # a multiple of the statistics' 4-step window.
+    fixed = getattr(args, "steps", 0)
+    steps = fixed or (4 if args.smoke else 40)
     for v in variants:
-        with strategy.scope():
+        with strategy.scope() if backend == "tensorflow" else contextlib.nullcontext():
             model = models.compiled(
                 spec,
                 models.kg.KeepGradModel,
                 weights,
                 metrics=models.gradient_metrics(v),
-                jit_compile=args.jit,
+                jit_compile=jit,
             )
-        runners[v, 0] = tf_runner(model, None, spec)
+        if backend == "tensorflow":
+            runners[v, 0] = tf_runner(model, None, spec)
+        else:
+            runners[v, 0] = fit_runner(model, spec, steps)
     for run in runners.values():
-        run(3)
+        run(3 if backend == "tensorflow" else steps)
     rounds, passes, pass_seconds = mode
-    steps = calibrate(runners["reference", 0], pass_seconds)
-    log(f"  {replicas} replica(s), jit={args.jit}: {steps} steps/round")
+    if backend == "tensorflow":
+        steps = fixed or calibrate(runners["reference", 0], pass_seconds)
+    log(f"  {replicas} replica(s), jit={jit}: {steps} steps/round")
     runs = [time_rounds(runners, args.rounds or rounds, passes, steps)]
     found = config(
         runs,
@@ -336,7 +350,7 @@ def metrics(args, specs, mode, dynamics=False):
         model,
         "reference",
         summary,
-        jit_compile=args.jit,
+        jit_compile=jit,
         replicas=replicas,
         steps=steps,
     )
@@ -777,7 +791,7 @@ def make_parser():
         )
         for name, fn in SUBCOMMANDS.items()
     }
-    for name in ("keeping", "tensorboard"):
+    for name in ("keeping", "tensorboard", "dynamics"):
         p[name].add_argument(
             "--backend",
             choices=(*BACKENDS, "all"),
@@ -803,7 +817,9 @@ def make_parser():
     k("--batch-size", type=_positive_int, help="override the models' batch size")
     k("--ops", action="store_true", help="also count the traced step's ops")
     for name in ("metrics", "dynamics"):
-        p[name].add_argument("--jit", action="store_true", help="jit_compile=True")
+        p[name].add_argument(
+            "--jit", action="store_true", help="jit_compile=True (default off; JAX: auto)"
+        )
     p["dynamics"].add_argument(
         "--mirrored", action="store_true", help="MirroredStrategy on 2 logical CPUs"
     )

@@ -133,7 +133,7 @@ def pass_order(keys, r, p, passes):
     return keys[shift:] + keys[:shift]
 
 
-def summarize(runs, base, pairs=(), targets=None, tolerance=None, measures=TIMES):
+def summarize(runs, base, pairs=(), targets=None, tolerance=None, measures=TIMES[:2]):
     """Ratios, overheads, intervals and verdicts of one config.
 
     Args:
