@@ -39,18 +39,33 @@ for _path in (os.path.dirname(HERE), HERE):
 BACKENDS = ("tensorflow", "jax", "torch")
 
 
-def _backend_in(argv):
+def _option_in(argv, option):
     for i, arg in enumerate(argv):
-        if arg == "--backend" and i + 1 < len(argv):
+        if arg == option and i + 1 < len(argv):
             return argv[i + 1]
-        if arg.startswith("--backend="):
+        if arg.startswith(option + "="):
             return arg.split("=", 1)[1]
     return None
+
+
+def _backend_in(argv):
+    return _option_in(argv, "--backend")
 
 
 # Keras reads its backend when first imported.
 if __name__ == "__main__" and _backend_in(sys.argv) in BACKENDS:
     os.environ["KERAS_BACKEND"] = _backend_in(sys.argv)
+# XLA reads its flags when JAX makes its CPU client: one thread for
+# `--threads 1` (XLA's CPU client takes no other count).
+if (
+    __name__ == "__main__"
+    and os.environ.get("KERAS_BACKEND") == "jax"
+    and _option_in(sys.argv, "--threads") == "1"
+):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    )
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
@@ -775,7 +790,12 @@ def make_parser():
         default=1,
         help="time in this many fresh processes, one after another, and pool their rounds",
     )
-    add("--threads", type=int, default=0, help="TensorFlow's op threads (0: its default)")
+    add(
+        "--threads",
+        type=int,
+        default=0,
+        help="op threads (0: the default; PyTorch: any count; JAX: only 1)",
+    )
     add("--models", nargs="+", help="only these models")
     add(
         "--variants",
@@ -880,6 +900,12 @@ def measure(args, backend, mode):
     if args.threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+        if backend == "torch":
+            import torch
+
+            torch.set_num_threads(args.threads)
+        elif backend == "jax" and args.threads != 1:
+            raise SystemExit("On JAX `--threads` takes 1 (one XLA thread) or 0 (its default).")
     specs = models.SMOKE_MODELS if args.smoke else models.MODELS
     if args.command == "memory" and args.child:
         memory_child(*args.child, specs, args.optimizer)
