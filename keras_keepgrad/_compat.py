@@ -98,6 +98,7 @@ def _import_error(e):
 check_versions()
 
 try:
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
     from keras.src.models.functional import Functional
     from keras.src.models.model import functional_init_arguments
@@ -185,6 +186,7 @@ __all__ = [
     "summary_ops",
     "tensor_version",
     "tensorflow_version",
+    "torch_assign_add",
     "replace_metric_variable",
     "untrack_metric",
     "untrack_metric_variables",
@@ -386,6 +388,25 @@ def tensor_version(tensor):
     in place; torch has no public accessor.
     """
     return tensor._version
+
+
+def torch_assign_add(variable, value):
+    """`variable.assign_add(value)` on PyTorch, adding in place.
+
+    Keras 3.15's `Variable.assign_add` is `assign(self + value)`: a new
+    tensor, then a copy into the variable, two passes over a buffer that
+    one in-place add updates in one (with the same float32 sums). `_value`
+    is the variable's own tensor; `value` may be an autocast copy, and in
+    a stateless scope the variable stands for another value, which Keras's
+    own `assign_add` updates there.
+    """
+    import torch
+
+    if in_stateless_scope():
+        variable.assign_add(value)
+        return
+    with torch.no_grad():
+        variable._value.add_(value)
 
 
 def summary_ops():
