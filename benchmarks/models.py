@@ -315,23 +315,23 @@ def _private():
 
     `shared_squares`: the step's per-variable sums of squares, which the
     statistics and the norm metrics share (a floor that computed its own
-    would count a pass they do not make). On TensorFlow also `create` and
-    `local_variable`: how the dynamics metrics make their buffers.
+    would count a pass they do not make). On TensorFlow also
+    `create_outside_step` and `local_variable`: how the dynamics metrics
+    make their buffers.
     """
+    from keras_keepgrad import _squares
+
+    found = dict(shared_squares=_squares.shared_squares)
     if keras.backend.backend() == "tensorflow":
         from keras_keepgrad import _capture
-        from keras_keepgrad import _dynamics
-        from keras_keepgrad import _stats
+        from keras_keepgrad.metrics import dynamics
 
-        return dict(
-            shared_squares=_stats.shared_squares,
-            create=_dynamics._create,
-            local_variable=_dynamics._local_variable,
+        found.update(
+            create=dynamics.create_outside_step,
+            local_variable=dynamics.local_variable,
             current_step=_capture.current_step,
         )
-    from keras_keepgrad import _ops
-
-    return dict(shared_squares=_ops.shared_squares)
+    return found
 
 
 def _tf_floor(kind):

@@ -234,9 +234,15 @@ def keeping(args, specs, mode):
                 steps = args.steps or calibrate(runners["plain", 0], pass_seconds)
             log(f"  {name} jit={jit_compile}: {steps} steps/pass")
             runs = [time_rounds(runners, args.rounds or rounds, passes, steps)]
+            # Skipping bad steps is judged against keeping: met within noise.
+            skipping = [(v, "kept") for v in models.SKIPPING if v in variants]
             summary = dict(
-                pairs=[("kept", "floor")] if "floor" in variants else [],
-                targets={"kept": KEEPING_TARGETS[name]} if name in KEEPING_TARGETS else None,
+                pairs=[("kept", "floor")] * ("floor" in variants) + skipping,
+                targets=(
+                    dict.fromkeys(["kept", *dict(skipping)], KEEPING_TARGETS[name])
+                    if name in KEEPING_TARGETS
+                    else None
+                ),
                 tolerance=KEEPING_TOLERANCE,
             )
             found = config(
@@ -406,6 +412,7 @@ def tensorboard(args, specs, mode):
             steady = {
                 v: (run(0, fit_steps=10 * steps)[4] * 10 - run(0)[4]) / 9
                 for (v, _), run in runners.items()
+                if args.setup == "watched"
             }
             summary = dict(
                 pairs=pairs if args.setup == "epoch" else [],
