@@ -391,14 +391,10 @@ def tensor_version(tensor):
 
 
 def torch_assign_add(variable, value):
-    """`variable.assign_add(value)` on PyTorch, adding in place.
-
-    Keras 3.15's `Variable.assign_add` is `assign(self + value)`: a new
-    tensor, then a copy into the variable, two passes over a buffer that
-    one in-place add updates in one (with the same float32 sums). `_value`
-    is the variable's own tensor; `value` may be an autocast copy, and in
-    a stateless scope the variable stands for another value, which Keras's
-    own `assign_add` updates there.
+    """`variable.assign_add(value)` on PyTorch, in place: one pass over the
+    buffer, not Keras 3.15's `assign(self + value)` (a new tensor, then a
+    copy), with the same float32 sums. `_value` is the variable's own
+    tensor; in a stateless scope the variable stands for another value.
     """
     import torch
 
