@@ -39,6 +39,7 @@ CONTRACT = (
     "test_skipping.py",
     "test_stats.py",
     "callbacks",
+    "test_benchmark_floors.py",
 )
 BACKENDS = ("tensorflow", "jax", "torch")
 _BACKEND_DIRS = {"jax": "jax_backend", "torch": "torch_backend"}
