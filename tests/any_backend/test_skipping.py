@@ -13,6 +13,7 @@ CASES = [
     cases.own_train_step_is_guarded,
     cases.off_changes_nothing,
     cases.under_loss_scaling,
+    cases.flagged_counts_per_epoch_like_skipped,
 ]
 
 SAVING_CASES = [
@@ -22,6 +23,8 @@ SAVING_CASES = [
     cases.saving_adds_one_counter_and_off_adds_none,
     cases.saved_loss_scale_is_the_steps,
     cases.dict_inputs_are_saved_per_key_and_replayed,
+    cases.flagged_steps_are_applied_counted_and_saved,
+    cases.flagged_under_loss_scaling_is_skipped_by_the_optimizer,
 ]
 
 
