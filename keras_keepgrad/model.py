@@ -198,7 +198,9 @@ class KeepGradModel(backend.Trainer, keras.Model):
             `keras_keepgrad.SkipBadSteps` (also gradient-norm spikes). A
             skipped step leaves the weights and the optimizer's state
             untouched, keeps its gradients, and is counted in the logs as
-            `skipped_steps`. Off, the training step is unchanged.
+            `skipped_steps` (`SkipBadSteps(skip=False)` only flags bad
+            steps: applied, counted as `flagged_steps`). Off, the
+            training step is unchanged.
             Defaults to None.
         **kwargs: Passed on to `keras.Model`.
 
