@@ -121,6 +121,8 @@ def compiled(spec, cls, weights=None, metrics=None, jit_compile="auto", optimize
 
 # What keeping costs: `keeping` times these against a plain `keras.Model`.
 KEEPING = ("plain", "control", "kept", "every10", "hand", "floor", "recompute")
+# `skip_bad_steps` on: judged against `kept` (`run.py keeping --variants kept skip skip_spike`).
+SKIPPING = ("skip", "skip_spike")
 
 
 def keeping_model(variant, spec, weights, jit_compile, optimizer):
@@ -133,6 +135,10 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
         cls, kw = kg.KeepGradModel, {"keep_every": 10}
     elif variant == "off":
         cls, kw = kg.KeepGradModel, {"keep_gradients": False}
+    elif variant == "skip":
+        cls, kw = kg.KeepGradModel, {"skip_bad_steps": True}
+    elif variant == "skip_spike":
+        cls, kw = kg.KeepGradModel, {"skip_bad_steps": kg.SkipBadSteps(spike_factor=10.0)}
     elif variant in ("hand", "floor", "recompute") and backend != "tensorflow":
         if (variant, backend) != ("floor", "torch"):
             raise ValueError(f"Variant {variant!r} is timed on TensorFlow only.")
@@ -140,7 +146,7 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
     elif variant in ("hand", "floor"):
         cls = _tf_models()[variant]
     elif variant not in ("plain", "control", "recompute"):
-        raise ValueError(f"Unknown variant: {variant!r}. Expected one of {KEEPING}.")
+        raise ValueError(f"Unknown variant: {variant!r}. Expected one of {KEEPING + SKIPPING}.")
     model = compiled(spec, cls, weights, jit_compile=jit_compile, optimizer=optimizer, **kw)
     if variant in ("hand", "floor") and backend == "tensorflow":
         model.make_slots()

@@ -218,9 +218,15 @@ def keeping(args, specs, mode):
                 steps = args.steps or calibrate(runners["plain", 0], pass_seconds)
             log(f"  {name} jit={jit_compile}: {steps} steps/pass")
             runs = [time_rounds(runners, args.rounds or rounds, passes, steps)]
+            # Skipping bad steps is judged against keeping: met within noise.
+            skipping = [(v, "kept") for v in models.SKIPPING if v in variants]
             summary = dict(
-                pairs=[("kept", "floor")] if "floor" in variants else [],
-                targets={"kept": KEEPING_TARGETS[name]} if name in KEEPING_TARGETS else None,
+                pairs=[("kept", "floor")] * ("floor" in variants) + skipping,
+                targets=(
+                    dict.fromkeys(["kept", *dict(skipping)], KEEPING_TARGETS[name])
+                    if name in KEEPING_TARGETS
+                    else None
+                ),
                 tolerance=KEEPING_TOLERANCE,
             )
             found = config(
@@ -370,6 +376,15 @@ def tensorboard(args, specs, mode):
             for run in runners.values():
                 run(0, check=True)  # warm-up: tracing, first writers
             runs = [time_rounds(runners, args.rounds or rounds, 1, steps)]
+            # Event bytes per step once a run is long: those of a fit ten
+            # times as long, less this one's, over the extra steps (what is
+            # written once per fit or epoch, the heatmap's image and the
+            # layouts, cancels out).
+            steady = {
+                v: (run(0, fit_steps=10 * steps)[4] * 10 - run(0)[4]) / 9
+                for (v, _), run in runners.items()
+                if args.setup == "watched"
+            }
             summary = dict(
                 pairs=pairs if args.setup == "epoch" else [],
                 targets=(
@@ -377,7 +392,14 @@ def tensorboard(args, specs, mode):
                     if name in WATCH_TARGETS and args.setup != "epoch"
                     else None
                 ),
-                measures=("wall", "cpu", "hooks_seconds", "event_bytes", "heatmap_seconds"),
+                measures=(
+                    "wall",
+                    "cpu",
+                    "batch_wall",
+                    "hooks_seconds",
+                    "event_bytes",
+                    "heatmap_seconds",
+                ),
             )
             configs.append(
                 config(
@@ -390,6 +412,7 @@ def tensorboard(args, specs, mode):
                     setup=args.setup,
                     steps=steps * epochs,
                     steps_per_epoch=steps,
+                    steady_event_bytes_per_step=steady,
                 )
             )
     return {"configs": configs}
@@ -402,13 +425,16 @@ def watch_runner(setup, variant, spec, weights, root, steps, epochs):
     cls, gradient_metrics, _ = models.watch_variant(setup, variant, root)
     model = models.compiled(spec, cls, weights, metrics=gradient_metrics)
     x, y = models.batch_of(spec)
-    if keras.backend.backend() == "tensorflow":
-        data = dict(x=tf.data.Dataset.from_tensors((x, y)).repeat(), steps_per_epoch=steps)
-    else:
-        data = dict(x=x.repeat(steps, 0), y=y.repeat(steps, 0), batch_size=spec.batch_size)
+
+    def data_of(steps):
+        if keras.backend.backend() == "tensorflow":
+            return dict(x=tf.data.Dataset.from_tensors((x, y)).repeat(), steps_per_epoch=steps)
+        return dict(x=x.repeat(steps, 0), y=y.repeat(steps, 0), batch_size=spec.batch_size)
+
     fits = iter(range(1 << 30))
 
-    def run(_, check=False):
+    def run(_, check=False, fit_steps=steps):
+        data = data_of(fit_steps)
         log_dir = os.path.join(root, variant, str(next(fits)))
         callbacks = models.watch_variant(setup, variant, log_dir)[2]
         state = {"hooks": 0.0}
@@ -430,12 +456,20 @@ def watch_runner(setup, variant, spec, weights, root, steps, epochs):
         if check and any(isinstance(c, models.kg.callbacks.GradientTensorBoard) for c in callbacks):
             _check_written(log_dir)
         shutil.rmtree(log_dir, ignore_errors=True)
-        n = steps * epochs
+        n = fit_steps * epochs
         wall, cpu = (end - begin for begin, end in zip(state["begin"], state["end"]))
         # The heatmap figure is drawn once per epoch at most: a cost per
-        # `fit`, not per step, shown apart (it is in `wall` and `hooks`).
+        # epoch, not per batch, shown apart (it is in `wall` and `hooks`;
+        # `batch_wall` is `wall` without it).
         heatmap = sum(getattr(c, "_heatmap_seconds", 0.0) for c in callbacks)
-        return [wall / n, cpu / n, state["hooks"] / n, written / n, heatmap / n]
+        return [
+            wall / n,
+            cpu / n,
+            (wall - heatmap) / n,
+            state["hooks"] / n,
+            written / n,
+            heatmap / n,
+        ]
 
     run.model = model
     return run
@@ -670,8 +704,20 @@ def markdown(result):
                 f"\n`{pair}` per round over the base: wall {_cell(d)}, CPU "
                 f"{_cell(cpu)}; ratio, CPU {_iqr(cpu['ratio'])}"
             )
+        if "batch_wall" in c:
+            cells = ", ".join(
+                f"{v} {_cell(d)}" for v, d in c["batch_wall"]["beyond_control"].items()
+            )
+            lines.append(f"\nbeyond control, wall without the heatmap [90%]: {cells}")
+        steady = c.get("steady_event_bytes_per_step")
+        if steady:
+            base_bytes = steady[c["base"]]
+            cells = ", ".join(f"{v} {b:.0f} (x{b / base_bytes:.2f})" for v, b in steady.items())
+            lines.append(f"\nevent bytes per step, long runs (over `{c['base']}`): {cells}")
         for subject, v in c["verdicts"].items():
             line = f"\n{subject}: at most {_pct(v['target'])} beyond control: {v['budget']}"
+            if "budget_per_batch" in v:
+                line += f"; per batch, without the epoch's heatmap: {v['budget_per_batch']}"
             if "floor" in v:
                 line += (
                     f"; against {v['floor']} (within {_pct(v['tolerance'])}): {v['against_floor']}"

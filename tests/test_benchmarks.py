@@ -79,6 +79,18 @@ def test_keeping_smoke_writes_every_promised_number(tmp_path):
 
 
 @pytest.mark.slow
+def test_skipping_is_judged_against_keeping(tmp_path):
+    args = ("keeping", "--smoke", "--models", "mlp_1m", "--variants", "kept", "skip", "skip_spike")
+    _, result = run_benchmark(tmp_path, *args)
+    (config,) = result["configs"]
+    assert list(config["step_ms"]) == ["plain", "control", "kept", "skip", "skip_spike"]
+    for variant in ("skip", "skip_spike"):
+        assert f"{variant} - kept" in config["wall"]["pairs"]
+        verdict = config["verdicts"][variant]
+        assert (verdict["target"], verdict["floor"], verdict["tolerance"]) == (0.02, "kept", 0.0)
+
+
+@pytest.mark.slow
 def test_processes_pool_their_rounds_and_pool_pools_runs(tmp_path):
     args = ["keeping", "--smoke", "--models", "mlp_1m", "--variants", "kept", "floor"]
     proc, result = run_benchmark(tmp_path, *args, "--processes", "2", out="two.json")
@@ -239,6 +251,20 @@ def test_summary_divides_each_round_by_its_own_base_time():
     assert found["verdicts"]["kept"] == {"target": 0.5, "budget": "undecided"}
     assert (found["processes"], found["rounds"]) == (2, 8)
 
+    # `batch_wall` (wall time without a once-per-epoch cost) gets its own
+    # ratios and verdict: kept costs 1.25x in wall, 1.0x per batch.
+    times = {v: t.copy() for v, t in run(1.25).items()}
+    times["kept"][:, 2] = machine
+    found = stats.summarize(
+        [times], "plain", targets={"kept": 0.1}, measures=("wall", "cpu", "batch_wall")
+    )
+    assert found["batch_wall"]["beyond_control"]["kept"]["median"] == 0.0
+    assert found["verdicts"]["kept"] == {
+        "target": 0.1,
+        "budget": "missed",
+        "budget_per_batch": "met",
+    }
+
 
 @pytest.mark.slow
 def test_memory_smoke_measures_fresh_processes(tmp_path):
@@ -307,6 +333,11 @@ def test_tensorboard_smoke_times_each_fit_and_its_writes(tmp_path, setup, varian
             writes = "tb" in v or v in ("plain", "kept", "watched", "all")
             writes = writes or (v == "control" and setup != "epoch")
             assert (written[v] > 0) == writes and (hooks[v] > 0) == (writes or v == "monitor")
+        if setup == "watched":
+            # Per step of a long run: the gradient scalars, beyond Keras's loss.
+            steady = config["steady_event_bytes_per_step"]
+            assert steady["watched"] > steady["plain"] > 0
+            assert set(config["verdicts"]["watched"]) == {"target", "budget", "budget_per_batch"}
     assert [c["model"] for c in result["configs"]] == {
         "watched": ["tiny", "mlp_1m_wide"],
         "batch": ["mlp_6k", "mlp_1m"],
