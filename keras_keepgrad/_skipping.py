@@ -252,7 +252,10 @@ def check_allowed(model):
             "`skip_bad_steps` is not supported under a `tf.distribute` strategy "
             f"with several replicas. Received: {type(strategy).__name__} of "
             f"{strategy.num_replicas_in_sync} replicas for model {model.name!r}. "
-            "Train on one replica, or set `model.skip_bad_steps = None`."
+            "Each replica would judge its own partial gradients, not the "
+            "global ones every replica applies. Train on one replica, or set "
+            "`model.skip_bad_steps = None`; `model.first_bad_replica` names "
+            "the replica whose share of a batch went non-finite."
         )
 
 
