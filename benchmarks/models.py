@@ -308,8 +308,8 @@ def _floor_metric(kind):
     import tensorflow as tf
 
     from keras_keepgrad import _capture
-    from keras_keepgrad import _dynamics
-    from keras_keepgrad import _stats
+    from keras_keepgrad import _squares
+    from keras_keepgrad.metrics import dynamics
 
     class Floor(kg.metrics.GradientMetric):
         def __init__(self):
@@ -319,12 +319,12 @@ def _floor_metric(kind):
         def _step_values(self, grads):
             dense = {p: tf.cast(g, tf.float32) for p, g in grads.items()}
             if self._buffers is None:
-                self._buffers = _dynamics._create(
+                self._buffers = dynamics.create_outside_step(
                     lambda: {
-                        p: _dynamics._local_variable(tf.zeros(g.shape)) for p, g in dense.items()
+                        p: dynamics.local_variable(tf.zeros(g.shape)) for p, g in dense.items()
                     }
                 )
-            value = tf.cast(tf.reduce_sum(_stats.shared_squares(grads)), tf.float32)
+            value = tf.cast(tf.reduce_sum(_squares.shared_squares(grads)), tf.float32)
             if kind == "floor_replicas":
                 partial = _capture.current_step().grads
                 local = tf.add_n([tf.nn.l2_loss(tf.cast(g, tf.float32)) for g in partial.values()])

@@ -16,6 +16,7 @@ __all__ = [
     "check_positive_int",
     "check_writable_dir",
     "require_kept_gradients",
+    "stale_gradients_message",
 ]
 
 
@@ -129,6 +130,29 @@ def require_kept_gradients(model, who):
     # keeps the old set (TensorFlow) or refuses to run (JAX): say so now,
     # not after its first step. A PyTorch step follows the change.
     if keras.backend.backend() != "torch" and model.train_function is not None:
-        stale = model._stale_message()
+        stale = stale_gradients_message(model)
         if stale is not None:
             raise RuntimeError(f"{who} cannot read the kept gradients. {stale}")
+
+
+def stale_gradients_message(model):
+    """Why `model`'s kept gradients are stale, or None if they are not.
+
+    They are stale when the trainable variables changed (a layer frozen or
+    unfrozen) since the training function that keeps them was built. The
+    fix named depends on the backend's `Trainer` (`_stale_fix`).
+    """
+    keeper = model._keeper
+    if keeper is None or keeper.trainable_paths is None:
+        return None
+    current = tuple(v.path for v in model.trainable_variables)
+    if current == keeper.trainable_paths:
+        return None
+    added = sorted(set(current) - set(keeper.trainable_paths))
+    removed = sorted(set(keeper.trainable_paths) - set(current))
+    return (
+        "The kept gradients are stale: the trainable variables changed "
+        "since the training function was built (now trainable: "
+        f"{added}; no longer trainable: {removed}). Call "
+        f"`model.compile(...)` again{model._stale_fix}, and train."
+    )

@@ -1,27 +1,25 @@
-"""The gradient metrics' arithmetic in `keras.ops`, off TensorFlow.
+"""The few TensorFlow functions the metrics use, in `keras.ops`.
 
-Backend-neutral: on JAX and PyTorch, `metrics.py` and `_dynamics.py`
+Backend-neutral: on JAX and PyTorch, the `metrics` package and `_squares`
 import `tf_ops` as `tf`, so that their arithmetic is written once for every
-backend, and `shared_squares` for the norm metrics. Nothing here imports TensorFlow.
+backend. Nothing here imports TensorFlow.
 """
 
 import contextlib
 import functools
-import threading
-import weakref
 
 import keras
 from keras import ops
 
-__all__ = ["shared_squares", "tf_ops"]
+__all__ = ["tf_ops"]
 
 
 class _TensorFlowSubset:
     """The few TensorFlow functions the gradient metrics use, in `keras.ops`.
 
     Same names and semantics, so that the metrics' arithmetic is written
-    once for every backend (`metrics.py` and `_dynamics.py` import this as
-    `tf` off TensorFlow).
+    once for every backend (the `metrics` package and `_squares` import
+    this as `tf` off TensorFlow).
     """
 
     float32 = "float32"
@@ -140,47 +138,3 @@ tf_ops = _TensorFlowSubset
 
 def _value(x):
     return ops.convert_to_tensor(x) if isinstance(x, keras.Variable) else x
-
-
-_latest = threading.local()
-
-
-def shared_squares(grads_by_path):
-    """float32 `[len(grads)]`: each gradient's sum of squares.
-
-    As `_stats.shared_squares` on TensorFlow, for the norm metrics. On JAX,
-    XLA computes a repeated sum within the jitted step once; on PyTorch,
-    which runs the step eagerly, the sums of one step's gradients are
-    computed once and shared, matched by the tensors' identity (through
-    weak references: the cache keeps no step's gradients alive).
-    """
-    grads = tuple(grads_by_path.values())
-    if not grads:
-        return ops.zeros((0,), "float32")
-    if keras.backend.backend() != "torch":
-        return _sum_squares(grads)
-    latest = getattr(_latest, "value", None)
-    if latest is not None and len(latest[0]) == len(grads):
-        if all(ref() is g for ref, g in zip(latest[0], grads)):
-            return latest[1]
-    squares = _sum_squares(grads)
-    _latest.value = ([weakref.ref(g) for g in grads], squares)
-    return squares
-
-
-def _sum_squares(grads):
-    if keras.backend.backend() == "torch":
-        return _torch_sum_squares(grads)
-    # Under `jit`, XLA fuses each square into its sum.
-    return ops.stack([ops.sum(ops.square(ops.cast(g, "float32"))) for g in grads])
-
-
-def _torch_sum_squares(grads):
-    # PyTorch runs each op as it comes: `dot(g, g)` is one fused kernel per
-    # gradient, with no squared copy (on a 1M-parameter MLP on CPU about
-    # 10x faster than `sum(square(g))`). `_foreach_norm` is faster still,
-    # but squaring a float32 norm does not give the sum back exactly.
-    import torch
-
-    flat = [ops.cast(g, "float32").reshape(-1) for g in grads]
-    return torch.stack([torch.dot(g, g) for g in flat])

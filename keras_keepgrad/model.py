@@ -15,7 +15,7 @@ from keras_keepgrad import _saving
 from keras_keepgrad import _skipping
 from keras_keepgrad import _torch_compile
 from keras_keepgrad import backend
-from keras_keepgrad import metrics as metrics_lib
+from keras_keepgrad.metrics import compiled as grad_metrics
 
 __all__ = ["FunctionalKeepGradModel", "KeepGradModel"]
 
@@ -84,7 +84,7 @@ def _restoring_context(model):
         return contextlib.nullcontext()
     if not model._restores_state_on_error():
         return contextlib.nullcontext()
-    if not metrics_lib._gradient_metrics(model):
+    if not grad_metrics.gradient_metrics(model):
         return contextlib.nullcontext()
     return _restored_on_error(model)
 
@@ -107,7 +107,7 @@ def _restored_on_error(model):
             seen.add(id(variable))
             variables.append(variable)
     values = [keras.ops.copy(v.value) for v in variables]
-    restore_metrics = metrics_lib._untracked_state(model)
+    restore_metrics = grad_metrics.untracked_state(model)
     try:
         yield
     except BaseException:
@@ -383,22 +383,22 @@ class KeepGradModel(backend.Trainer, keras.Model):
             return self.train_function
         # Before anything changes: a gradient metric would raise in the
         # first step (its updates on PyTorch and eager TensorFlow applied).
-        metrics_lib._check_gradients_kept(self)
+        grad_metrics.check_gradients_kept(self)
         if self._skip_config is not None:
             _skipping.check_allowed(self)
         if self._keep_gradients:
             # Before `fit` runs a step (on JAX, before it takes the variables'
             # values out of the model for the step): each step checks again.
             _capture.check_unique_paths(self, self.trainable_variables)
-            metrics_lib._check_unique_keys(self)
+            grad_metrics.check_unique_keys(self)
             _capture.install(methods=backend.CAPTURED_METHODS)
             # Fresh slots, made as the new training function is first
             # traced, from what its optimizers receive.
             self._keeper = self._new_keeper()
-            metrics_lib.build_gradient_metrics(self)
+            grad_metrics.build_gradient_metrics(self)
             self._metrics_built_for = self._trainable_paths()
             # `UpdateRatio` compares each update's before and after.
-            self._keeper.record_updates = metrics_lib._measures_updates(self)
+            self._keeper.record_updates = grad_metrics.measures_updates(self)
             return self._make_keeping_train_function(force)
         return super().make_train_function(force=force)
 
@@ -419,8 +419,8 @@ class KeepGradModel(backend.Trainer, keras.Model):
             return
         self._metrics_built_for = None  # once per training function
         if built_for != self._trainable_paths():
-            metrics_lib._check_unique_keys(self)
-            metrics_lib.build_gradient_metrics(self)
+            grad_metrics.check_unique_keys(self)
+            grad_metrics.build_gradient_metrics(self)
 
     def keep_step_gradients(self, grads: list, variables: list) -> list:
         """Keeps gradients that a training step applies without an optimizer.
@@ -516,27 +516,10 @@ class KeepGradModel(backend.Trainer, keras.Model):
             )
         if keeper.kept_nothing:
             raise RuntimeError(_capture.nothing_kept_message(self))
-        stale = self._stale_message()
+        stale = _checks.stale_gradients_message(self)
         if stale is not None:
             raise RuntimeError(stale)
         return self._keeper
-
-    def _stale_message(self):
-        """Why the kept gradients are stale, or None if they are not."""
-        keeper = self._keeper
-        if keeper is None or keeper.trainable_paths is None:
-            return None
-        current = tuple(v.path for v in self.trainable_variables)
-        if current == keeper.trainable_paths:
-            return None
-        added = sorted(set(current) - set(keeper.trainable_paths))
-        removed = sorted(set(keeper.trainable_paths) - set(current))
-        return (
-            "The kept gradients are stale: the trainable variables changed "
-            "since the training function was built (now trainable: "
-            f"{added}; no longer trainable: {removed}). Call "
-            f"`model.compile(...)` again{self._stale_fix}, and train."
-        )
 
     @property
     def gradients(self):

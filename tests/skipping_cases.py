@@ -11,6 +11,7 @@ x = [[p], [q]] gives loss = mean((w x)^2), so d/dw = w (p^2 + q^2): 15 for
 """
 
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -187,6 +188,110 @@ def under_loss_scaling(mode):
 
 
 # Saved batches (`save_batches_to`) --------------------------------------
+
+
+def monitored(model, batches, callbacks, **fit_kwargs):
+    """Fits `batches` (y = 0) in order; returns the monitor's warnings."""
+    x = np.concatenate(batches)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(
+            x, np.zeros_like(x), batch_size=2, shuffle=False, verbose=0,
+            callbacks=callbacks, **fit_kwargs,
+        )  # fmt: skip
+    # Backends warn of their own things too (PyTorch of NumPy's `copy`).
+    return [str(w.message) for w in caught if str(w.message).startswith("GradientMonitor")]
+
+
+def events(monitor):
+    return [(e["kind"], e["step"], e["since"], e.get("until")) for e in monitor.events]
+
+
+SKIPPED_NAN = (
+    "skip_bad_steps skipped the update: non-finite gradients (NaN or inf) in 1 of 1 "
+    "layers, in forward order: 'dense_0'. The weights and the optimizer's state are "
+    "as they were before the step."
+)
+
+
+def monitor_reports_a_skipped_nan_step_as_skipped(mode):
+    """Batches X, NaN, X, X; SGD(0.0) counts an update without moving w.
+    The NaN step is skipped: a "skipped" state at step 2, only warned
+    about although `action="stop"`; steps 3 and 4 end it (recovery_steps
+    2). All four steps ran, three updates. `GradientReport` counts the
+    step as read and skipped; its NaN still makes the verdict."""
+    model = one_weight(skip_bad_steps=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **mode)
+    monitor = kg.callbacks.GradientMonitor(action="stop", recovery_steps=2)
+    report = kg.callbacks.GradientReport(print_table=False)
+    messages = monitored(model, [X, NAN_X, X, X], [monitor, report])
+    assert iterations(model) == 3
+    assert events(monitor) == [("skipped", 2, 2, None), ("skipped_ended", 4, 2, 2)]
+    assert monitor.events[0]["layers"] == ["dense_0"] and monitor.events[0]["epoch"] == 0
+    assert messages == [
+        f"GradientMonitor: Step 2: {SKIPPED_NAN}",
+        "GradientMonitor: Step 4: no step read was skipped for 2 checks in a row: the "
+        "state lasted steps 2-2 (1 check).",
+        "GradientMonitor: summary of steps 1-4:\n'dense_0' skipped: steps 2-2 (1 check)",
+    ]
+    (row,) = report.rows
+    assert (row["steps"], row["nonfinite"], row["verdict"]) == (4, 1, "non-finite")
+    assert report.skipped_steps == 1
+    assert report._subtitle().startswith("4 training steps read (1 skipped), backend")
+
+
+def monitor_reports_a_skipped_spike_as_skipped_not_exploding(mode):
+    """window 3, factor 3: 60 after three 15s is skipped. Above
+    exploding_threshold=50 it would raise; skipped, it is a warning, with
+    the largest layer norms, and step 5 (recovery_steps=1) ends it."""
+    model = one_weight(skip_bad_steps=kg.SkipBadSteps(spike_factor=3.0, window=3))
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **mode)
+    monitor = kg.callbacks.GradientMonitor(
+        action="raise", exploding_threshold=50.0, recovery_steps=1
+    )
+    messages = monitored(model, [X, X, X, batch(2, 4), X], [monitor])
+    assert iterations(model) == 4
+    assert events(monitor) == [("skipped", 4, 4, None), ("skipped_ended", 5, 4, 4)]
+    assert messages == [
+        "GradientMonitor: Step 4: skip_bad_steps skipped the update: global norm 60; "
+        "largest layer norms: 'dense_0' (60). The weights and the optimizer's state are "
+        "as they were before the step.",
+        "GradientMonitor: Step 5: no step read was skipped for 1 checks in a row: the "
+        "state lasted steps 4-4 (1 check).",
+    ]  # `action="raise"`: no summary
+
+
+def monitor_reports_a_nan_the_skip_let_through_as_nonfinite(mode):
+    """Spikes only (`nonfinite=False`): the NaN step is applied, w turns
+    NaN, and the monitor stops `fit` at step 2 as without skipping."""
+    config = kg.SkipBadSteps(nonfinite=False, spike_factor=3.0, window=3)
+    model = one_weight(skip_bad_steps=config)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **mode)
+    monitor = kg.callbacks.GradientMonitor(action="stop")
+    messages = monitored(model, [X, NAN_X, X], [monitor])
+    assert iterations(model) == 2
+    assert np.isnan(float(np.asarray(model.weights[0])[0, 0]))
+    assert events(monitor) == [("nonfinite", 2, 2, None)]
+    assert messages == [
+        "GradientMonitor: Step 2: non-finite gradients (NaN or inf) in 1 of 1 layers, in "
+        "forward order: 'dense_0'. Stopping training.",
+        "GradientMonitor: summary of steps 1-2:\n'dense_0' non-finite: steps 2-2 (1 check), "
+        "until the end",
+    ]
+
+
+def monitor_knows_a_kept_step_skipped_before_its_check(mode):
+    """keep_every=2 keeps steps 1, 3, 5; check_freq=2 checks at steps 2,
+    4, 6 and reads them there. Step 3 (NaN) was skipped, a batch before
+    the check that reads it: reported at step 3; step 5 ends it."""
+    model = one_weight(keep_every=2, skip_bad_steps=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **mode)
+    monitor = kg.callbacks.GradientMonitor(check_freq=2, recovery_steps=1)
+    messages = monitored(model, [X, X, NAN_X, X, X, X], [monitor])
+    assert iterations(model) == 5
+    assert events(monitor) == [("skipped", 3, 3, None), ("skipped_ended", 5, 3, 3)]
+    assert messages[0] == f"GradientMonitor: Step 3: {SKIPPED_NAN}"
+    assert len(messages) == 3  # the begin, the end, the summary
 
 
 def saved(directory):

@@ -20,6 +20,7 @@ import keras
 import numpy as np
 
 import keras_keepgrad as kg
+from keras_keepgrad import _squares
 from keras_keepgrad import _stats
 from keras_keepgrad.callbacks import panels
 
@@ -45,7 +46,7 @@ def _refuse_slot_reads(monkeypatch):
     def refused(self, grads_by_path):
         raise AssertionError("a callback read the norms from the kept gradients")
 
-    monkeypatch.setattr(_stats.GradientNorms, "__call__", refused)
+    monkeypatch.setattr(_squares.GradientNorms, "__call__", refused)
 
 
 @contextlib.contextmanager

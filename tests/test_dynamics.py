@@ -24,8 +24,8 @@ from dynamics_cases import assert_closed_form
 from dynamics_cases import two_input_model
 
 import keras_keepgrad as kg
-from keras_keepgrad import _dynamics
 from keras_keepgrad import metrics as kgm
+from keras_keepgrad.metrics import compiled
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -152,7 +152,7 @@ def test_tensorboard_panel_lists_the_dynamics_charts(tmp_path):
     ]
     model = one_weight()
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", metrics=metrics)
-    assert _dynamics.tensorboard_charts(model) == [
+    assert compiled.tensorboard_charts(model) == [
         ("Gradient noise scale (B_simple)", ["^(epoch|batch)_grad_noise_scale$"]),
         (
             "Gradient noise scale: tr(Sigma) and |G|^2",

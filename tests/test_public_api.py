@@ -66,7 +66,7 @@ SIGNATURES = {
     kg.callbacks.GradientMonitor: (
         "(action='warn', check_nonfinite=True, min_loss_scale=1.0, vanishing_threshold=1e-05, "
         "vanishing_steps=10, exploding_threshold=1000.0, exploding_factor=None, "
-        "median_window=100, check_freq=1, recovery_steps=10)"
+        "median_window=100, check_freq=1, recovery_steps=10, check_skipped=True)"
     ),
     kg.callbacks.GradientReport: "(print_table=True, png=None, html=None, title=None)",
     kg.callbacks.GradientSnapshot: "(path, every='epoch')",

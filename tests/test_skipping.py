@@ -26,6 +26,10 @@ CASES = [
     cases.off_changes_nothing,
     cases.under_loss_scaling,
     cases.flagged_counts_per_epoch_like_skipped,
+    cases.monitor_reports_a_skipped_nan_step_as_skipped,
+    cases.monitor_reports_a_skipped_spike_as_skipped_not_exploding,
+    cases.monitor_reports_a_nan_the_skip_let_through_as_nonfinite,
+    cases.monitor_knows_a_kept_step_skipped_before_its_check,
 ]
 
 SAVING_CASES = [

@@ -1,4 +1,4 @@
-"""Tests for keras_keepgrad._stats: one step's statistics, computed once.
+"""Tests for keras_keepgrad._stats and _squares: one step's statistics, computed once.
 
 The hand model of tests/callbacks: one bias-free Dense(1), kernel 3, mse,
 SGD(0.1), x = [[1], [2]], y = 0: the gradient is 5w = 15, 7.5, 3.75, so
@@ -12,6 +12,7 @@ import stats_cases
 import tensorflow as tf
 
 import keras_keepgrad as kg
+from keras_keepgrad import _squares
 from keras_keepgrad import _stats
 
 
@@ -55,33 +56,33 @@ def test_gradient_norms_sum_squares_per_variable_and_layer():
             tf.constant([3, 1]),
         ),
     }
-    squares = _stats.sum_squares(list(grads.values()))
+    squares = _squares.sum_squares(list(grads.values()))
     assert squares.dtype == tf.float64
     assert squares.numpy().tolist() == [25.0, 1.0, 4.0, 25.0]
-    norms = _stats.GradientNorms(grads)(grads)
-    assert _stats.GradientNorms(grads).layers == ("a", "b", "c")
+    norms = _squares.GradientNorms(grads)(grads)
+    assert _squares.GradientNorms(grads).layers == ("a", "b", "c")
     assert np.square(norms.layer_norms).tolist() == pytest.approx([26.0, 4.0, 25.0])
     assert norms.global_norm == pytest.approx(np.sqrt(55.0))
     assert not norms.nonfinite
     # Layers in the order they first appear in the paths.
     paths = ["c/embeddings", "b/kernel", "a/kernel", "a/bias"]
-    norms = _stats.GradientNorms(paths).from_squares([25.0, 4.0, 25.0, 1.0])
+    norms = _squares.GradientNorms(paths).from_squares([25.0, 4.0, 25.0, 1.0])
     assert np.square(norms.layer_norms).tolist() == pytest.approx([25.0, 4.0, 26.0])
-    norms = _stats.GradientNorms(paths).from_squares([25.0, np.inf, 25.0, np.nan])
+    norms = _squares.GradientNorms(paths).from_squares([25.0, np.inf, 25.0, np.nan])
     assert norms.layer_nonfinite.tolist() == [False, True, True] and norms.nonfinite
 
 
 def test_layer_of_drops_the_last_path_component():
-    assert _stats.layer_of("dense_0/kernel") == "dense_0"
-    assert _stats.layer_of("encoder/dense/bias") == "encoder/dense"
-    assert _stats.layer_of("scale") == "scale"
+    assert _squares.layer_of("dense_0/kernel") == "dense_0"
+    assert _squares.layer_of("encoder/dense/bias") == "encoder/dense"
+    assert _squares.layer_of("scale") == "scale"
 
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_nonfinite_and_overflowing_sums_are_told_apart(jit):
     @tf.function(jit_compile=jit)
     def squares(a, b, c):
-        return _stats.sum_squares([a, b, c])
+        return _squares.sum_squares([a, b, c])
 
     # 3e19^2 overflows float32 but not float64: summed again in float64.
     big, nan = tf.constant([3e19]), tf.constant([1.0, np.nan])
@@ -166,10 +167,10 @@ def test_statistics_are_no_weights_and_not_saved(tmp_path):
 
 def test_metrics_and_statistics_share_one_computation():
     grads = {"a/kernel": tf.constant([3.0, 4.0])}
-    first = _stats.shared_squares(grads)
-    assert _stats.shared_squares(dict(grads)) is first  # same tensors
+    first = _squares.shared_squares(grads)
+    assert _squares.shared_squares(dict(grads)) is first  # same tensors
     other = {"a/kernel": tf.constant([3.0, 4.0])}
-    assert _stats.shared_squares(other) is not first  # other tensors
+    assert _squares.shared_squares(other) is not first  # other tensors
     assert first.numpy().tolist() == [25.0]
     # The cache holds no strong reference: the gradients can be freed.
     import gc
@@ -213,7 +214,7 @@ def test_an_overflowing_sum_is_not_taken_for_nan(tmp_path):
 
 
 def test_sum_squares_without_the_exact_pass_reads_overflow_as_inf():
-    squares = _stats.sum_squares([tf.constant([3e19]), tf.constant([2.0])], exact=False)
+    squares = _squares.sum_squares([tf.constant([3e19]), tf.constant([2.0])], exact=False)
     assert squares.numpy().tolist() == [np.inf, 4.0]
 
 

@@ -60,8 +60,8 @@ from keras_keepgrad import _stats
 from keras_keepgrad._capture import evaluation_step
 from keras_keepgrad._capture import in_evaluation_step
 from keras_keepgrad._capture import nest_by_path
-from keras_keepgrad._ops import shared_squares
 from keras_keepgrad._ops import tf_ops
+from keras_keepgrad._squares import shared_squares
 from keras_keepgrad.backend import base
 from keras_keepgrad.backend.base import current_step_gradients
 from keras_keepgrad.backend.base import current_step_updates

@@ -34,6 +34,12 @@ A check that finds nothing new since the last one does nothing: with
 `vanishing_steps` counts the checks that read new gradients. Epoch
 histograms show the epoch's last written step.
 
+Skipped steps. With `skip_bad_steps`, the callbacks learn which steps were
+skipped from the `skipped_steps` that `fit` logs with each batch:
+`GradientTensorBoard` marks each batch that skipped one,
+`GradientMonitor` reports a skipped step it reads as `"skipped"` (not as
+non-finite or exploding), `GradientReport` counts them.
+
 Layers. Per-layer values group variables by their path minus the last
 component (`"dense_0/kernel"` and `"dense_0/bias"` make layer `"dense_0"`;
 `"encoder/dense/kernel"` makes `"encoder/dense"`), in the order of

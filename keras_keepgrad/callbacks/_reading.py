@@ -14,10 +14,14 @@ import keras
 import numpy as np
 
 from keras_keepgrad import _capture
+from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _stats
+from keras_keepgrad._squares import GradientNorms
+from keras_keepgrad.callbacks import _skipped
 
 __all__ = [
+    "KeptStepReader",
     "LatestNorms",
     "unsynced_model",
     "NewGradients",
@@ -43,7 +47,7 @@ class LatestNorms:
     """
 
     def __init__(self, model):
-        self.norms = _stats.GradientNorms(kept_paths(model))
+        self.norms = GradientNorms(kept_paths(model))
         self._seen = _stats.count(model)
         self._followed = None  # the `kept_step.paths` last followed
 
@@ -69,7 +73,7 @@ class LatestNorms:
         paths = tuple(kept_paths(model, kept))
         if paths == self.norms.paths:
             return False
-        self.norms = _stats.GradientNorms(paths)
+        self.norms = GradientNorms(paths)
         return True
 
     @property
@@ -211,6 +215,118 @@ class NewGradients:
                 return None
             self._seen = write
         return step - age
+
+
+class KeptStepReader(keras.callbacks.Callback):
+    """A callback that reads the kept norms once per new kept step.
+
+    What `GradientMonitor`, `GradientReport` and `GradientTensorBoard`
+    share: it asks for the step's statistics when Keras hands it the model
+    (before `fit` makes the training function), counts the training steps
+    (`StepCounter`), follows the layers the step keeps (`LatestNorms`,
+    calling `_on_layers_changed()` when they change) and which steps
+    `skip_bad_steps` skipped (`SkippedLog`: `self._skips`), and reads the
+    norms of each kept step it has not read yet (`NewGradients`), passing
+    them to `_on_kept_step(step, epoch, norms)`: the step the gradients
+    come from (under `keep_every` it may be earlier than now) and the
+    0-based epoch it ran in.
+
+    By default it reads after every training batch for which
+    `_read_due(previous)` is true (`previous`: the step count before the
+    batch); a subclass with other times (`GradientTensorBoard`) calls
+    `_advance` and `_read_kept` itself.
+    """
+
+    # The name that errors and warnings give the callback.
+    _callback_name = "KeptStepReader"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._steps = StepCounter()
+        self._new = NewGradients(self)
+        self._skips = _skipped.SkippedLog()
+        self._norms = None
+        self._logs = None  # this batch's, for `_stats.read`
+
+    def set_model(self, model):
+        super().set_model(model)
+        # Before `fit` makes the training function: it records the norms.
+        _stats.require(model)
+
+    def on_train_begin(self, logs=None):
+        _checks.require_kept_gradients(self.model, self._callback_name)
+        super().on_train_begin(logs)
+        self._steps.begin_train()
+        self._new.begin(self.model)
+        self._skips = _skipped.SkippedLog()
+        self._norms = LatestNorms(self.model)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        super().on_epoch_begin(epoch, logs)
+        self._steps.begin_epoch(epoch)
+        self._skips.begin_epoch()
+
+    def on_train_batch_end(self, batch, logs=None):
+        previous = self._advance(batch, logs)
+        model = unsynced_model(self)
+        kept = model.kept_step
+        self._follow(model, kept)
+        if self._read_due(previous):
+            self._read_kept(model, kept)
+
+    def _advance(self, batch, logs):
+        """Counts the batch's steps and its skipped ones; returns the old step."""
+        self._logs = logs if isinstance(logs, dict) else None
+        model = unsynced_model(self)
+        previous = self._steps.end_batch(
+            batch, self.params, getattr(model, "steps_per_execution", 1)
+        )
+        self._skips.end_batch(self._logs, previous, self._steps.step)
+        return previous
+
+    def _read_due(self, previous):
+        """Whether to read after the batch that began after step `previous`."""
+        return True
+
+    def _follow(self, model=None, kept=None):
+        """Takes the layers the step kept; `_on_layers_changed()` if new."""
+        if model is None:
+            model = unsynced_model(self)
+        if self._norms.follow(model, kept):
+            self._on_layers_changed()
+
+    def _on_layers_changed(self):
+        """The step keeps other layers than `self._norms` read until now."""
+
+    def _read_kept(self, model, kept):
+        """Reads the kept step, if this callback has not: `_on_kept_step`."""
+        if not self._norms.paths:
+            return
+        step = self._new.step_of(model, self._steps.step, kept)
+        if step is None:
+            return  # `keep_every`: nothing kept since the last read
+        norms = self._norms.read(model, self._logs)
+        self._on_kept_step(step, self._steps.epoch_of(step), norms)
+        self._skips.forget(step)
+
+    def _on_kept_step(self, step, epoch, norms):
+        """Called once per kept step read, with its `StepNorms`."""
+        raise NotImplementedError
+
+    def _was_skipped(self, step, norms):
+        """Whether `skip_bad_steps` skipped the update of kept step `step`.
+
+        As `fit`'s logged `skipped_steps` say (`SkippedLog`). Where they
+        cannot tell (an execution of several steps that skipped some but not
+        all of them), a step with non-finite gradients (`norms`) was skipped
+        if the model's `skip_bad_steps` judges them, a finite one was not.
+        Call it from `_on_kept_step`.
+        """
+        skipped = self._skips.skipped(step)
+        if skipped is None:
+            config = getattr(unsynced_model(self), "skip_bad_steps", None)
+            skipped = norms.nonfinite and config is not None and config.nonfinite
+        return skipped
 
 
 def crossed(previous, step, freq):

@@ -11,27 +11,17 @@ import numpy as np
 
 from keras_keepgrad import _checks
 from keras_keepgrad import _replicas
-from keras_keepgrad import _stats
 from keras_keepgrad.callbacks import _health
 from keras_keepgrad.callbacks import _reading
+from keras_keepgrad.callbacks import _states
 from keras_keepgrad.callbacks import panels
 
 __all__ = ["GradientMonitor"]
 
 _ACTIONS = ("warn", "stop", "raise")
-_KIND_NAMES = {"nonfinite": "non-finite", "vanishing": "vanishing", "exploding": "exploding"}
-_ENDED = {
-    "nonfinite": "gradients are finite again",
-    "exploding": "the global norm is back within bounds",
-}
 
 
-def _lasted(since, until, checks):
-    plural = "" if checks == 1 else "s"
-    return f"steps {since}-{until} ({checks} check{plural})"
-
-
-class GradientMonitor(keras.callbacks.Callback):
+class GradientMonitor(_reading.KeptStepReader):
     """Watches the kept gradients for NaN, vanishing and exploding layers.
 
     Every `check_freq` training batches it looks at the gradients kept for
@@ -46,9 +36,16 @@ class GradientMonitor(keras.callbacks.Callback):
     - explosions: the global gradient norm is above `exploding_threshold`,
       or above `exploding_factor` times the median of the last
       `median_window` global norms (once at least `min(10, median_window)`
-      are known), naming the layers with the largest norms.
+      are known), naming the layers with the largest norms;
+    - skipped steps: a step whose optimizer update `skip_bad_steps`
+      skipped (`kg.SkipBadSteps`), naming its non-finite layers in forward
+      order, or for a spike the layers with the largest norms. The model
+      is intact (its weights and optimizer state are as before the step),
+      so this is only warned about, whatever `action` says; such a step is
+      reported as skipped, not as non-finite or exploding (it neither
+      begins, extends nor ends such a state).
 
-    By default all three are on: a layer vanishes below `1e-5` and the
+    By default all four are on: a layer vanishes below `1e-5` and the
     global norm explodes above `1e3`, the thresholds marked on
     `GradientTensorBoard`'s heatmap color bar and used by `GradientReport`'s
     verdicts (`kg.callbacks.VANISHING_THRESHOLD`,
@@ -70,7 +67,15 @@ class GradientMonitor(keras.callbacks.Callback):
     step): from then on the scale no longer amplifies the gradients, so
     lowering it cannot help, and the non-finite values are the model's own.
     With the default 1.0 and Keras's initial scale of 2**15, persistent NaN
-    is reported on the 16th skipped step in a row.
+    is reported on the 16th skipped step in a row. This holds with
+    `skip_bad_steps` too, which hands non-finite steps to the optimizer:
+    only spikes it skips are reported as skipped there.
+
+    Which steps `skip_bad_steps` skipped, the monitor learns from the
+    `skipped_steps` that `fit` logs with each batch. With
+    `steps_per_execution=N` that count covers the N steps of an execution;
+    where it rose by fewer than N, a non-finite step counts as skipped if
+    `model.skip_bad_steps.nonfinite` is set, a finite one as not skipped.
 
     Args:
         action: `"warn"` (a `UserWarning`), `"stop"` (warn, then set
@@ -98,12 +103,15 @@ class GradientMonitor(keras.callbacks.Callback):
         recovery_steps: Int. Checks in a row free of a reported problem
             before its state ends (and can begin, and be reported, again).
             Defaults to `10`.
+        check_skipped: Bool. Report the steps `skip_bad_steps` skipped.
+            Whether on or off, a skipped step is not reported as non-finite
+            or exploding. Defaults to `True`.
 
     Attributes:
         events: List of dicts, one per report of the last `fit`: `kind`
-            (`"nonfinite"`, `"vanishing"` or `"exploding"` when a state
-            begins; `"nonfinite_ended"`, `"vanishing_ended"` or
-            `"exploding_ended"` when it ends), `step` (of the check that
+            (`"nonfinite"`, `"vanishing"`, `"exploding"` or `"skipped"` when
+            a state begins; `"nonfinite_ended"`, `"vanishing_ended"`,
+            `"exploding_ended"` or `"skipped_ended"` when it ends), `step` (of the check that
             reports it), `epoch` (0-based, the epoch in which `step` ran),
             `layers` (names), `message`, and `since`: the first step of the
             state. An end also has `until` (the state's last step) and
@@ -133,6 +141,8 @@ class GradientMonitor(keras.callbacks.Callback):
         ```
     """
 
+    _callback_name = "GradientMonitor"
+
     def __init__(
         self,
         action: str = "warn",
@@ -145,6 +155,7 @@ class GradientMonitor(keras.callbacks.Callback):
         median_window: int = 100,
         check_freq: int = 1,
         recovery_steps: int = 10,
+        check_skipped: bool = True,
     ) -> None:
         super().__init__()
         if action not in _ACTIONS:
@@ -169,28 +180,20 @@ class GradientMonitor(keras.callbacks.Callback):
             "check_freq", check_freq, allow_epoch=False, allow_batch=False
         )
         self.recovery_steps = _checks.check_positive_int("recovery_steps", recovery_steps)
+        self.check_skipped = _checks.check_bool("check_skipped", check_skipped)
         self.events = []
         self.states = []
-        self._steps = _reading.StepCounter()
-        self._new = _reading.NewGradients(self)
+        self._book = _states.States(self.recovery_steps, self._report)
         self._step = 0
-        self._logs = None
-
-    def set_model(self, model):
-        super().set_model(model)
-        # Before `fit` makes the training function: it records the norms.
-        _stats.require(model)
+        self._first_step = None
 
     def on_train_begin(self, logs=None):
-        _checks.require_kept_gradients(self.model, "GradientMonitor")
-        self._steps.begin_train()
-        self._new.begin(self.model)
-        self._norms = _reading.LatestNorms(self.model)
+        super().on_train_begin(logs)
         self._count_layers()
         self._recent = deque(maxlen=self.median_window)
-        self._active = {"nonfinite": None, "exploding": None}  # their open states
+        self._book = _states.States(self.recovery_steps, self._report)
         self.events = []
-        self.states = []
+        self.states = self._book.all
         self._first_step = None
         self._last_step = None
 
@@ -201,35 +204,37 @@ class GradientMonitor(keras.callbacks.Callback):
         self._vanishing = [None] * n_layers  # each layer's open state
         self._vanishing_open = np.zeros(n_layers, bool)
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self._steps.begin_epoch(epoch)
+    def _on_layers_changed(self):
+        self._count_layers()  # the step kept fewer layers than it trains
 
-    def on_train_batch_end(self, batch, logs=None):
-        self._logs = logs if isinstance(logs, dict) else None
-        model = _reading.unsynced_model(self)
-        previous = self._steps.end_batch(
-            batch, self.params, getattr(model, "steps_per_execution", 1)
-        )
-        kept = model.kept_step
-        if self._norms.follow(model, kept):
-            self._count_layers()  # the step kept fewer layers than it trains
-        if not self._norms.paths or not _reading.crossed(
-            previous, self._steps.step, self.check_freq
-        ):
-            return
-        self._step = self._new.step_of(model, self._steps.step, kept)
-        if self._step is None:
-            return  # `keep_every`: nothing kept since the last check
-        norms = self._norms.read(model, self._logs)
+    def _read_due(self, previous):
+        return _reading.crossed(previous, self._steps.step, self.check_freq)
+
+    def _on_kept_step(self, step, epoch, norms):
+        self._step = step
         if self._first_step is None:
-            self._first_step = self._step
-        self._last_step = self._step
+            self._first_step = step
+        self._last_step = step
+        skipped = self._skipped_update(step, norms)
         if self.check_nonfinite:
-            self._check_nonfinite(norms)
+            self._check_nonfinite(norms, skipped)
         if self.vanishing_threshold is not None:
             self._check_vanishing(norms)
         if self.exploding_threshold is not None or self.exploding_factor is not None:
-            self._check_exploding(norms)
+            self._check_exploding(norms, skipped)
+        if self.check_skipped:
+            self._check_skipped(norms, skipped)
+
+    def _skipped_update(self, step, norms):
+        """Whether `skip_bad_steps` skipped the update of kept step `step`.
+
+        Under a `LossScaleOptimizer` a non-finite step is the optimizer's to
+        skip, with or without `skip_bad_steps`: `min_loss_scale` decides.
+        """
+        optimizer = _reading.unsynced_model(self).optimizer
+        if norms.nonfinite and isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            return False
+        return self._was_skipped(step, norms)
 
     def _names(self, indices, values=None, limit=5):
         layers = self._norms.layers
@@ -240,10 +245,24 @@ class GradientMonitor(keras.callbacks.Callback):
         more = len(indices) - limit
         return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 
-    def _check_nonfinite(self, norms):
+    def _nonfinite_text(self, bad):
+        """What a report says of the non-finite layers `bad` (indices)."""
+        return (
+            f"non-finite gradients (NaN or inf) in {len(bad)} of "
+            f"{len(self._norms.layers)} layers, in forward order: {self._names(bad)}"
+            f"{_replicas.note(self.model)}."
+        )
+
+    def _largest(self, values, count=3):
+        """The indices of the `count` layers of largest norm, largest first."""
+        return np.argsort(-np.nan_to_num(values, nan=-1.0), kind="stable")[:count]
+
+    def _check_nonfinite(self, norms, skipped):
         if not norms.nonfinite:
-            self._recover("nonfinite")
+            self._book.recover("nonfinite")
             return
+        if skipped:
+            return  # A "skipped" state: neither begins, extends nor ends this one.
         note = ""
         optimizer = self.model.optimizer
         if (
@@ -256,17 +275,10 @@ class GradientMonitor(keras.callbacks.Callback):
             note = (
                 f" The loss scale fell to {scale:g}, below min_loss_scale={self.min_loss_scale:g}."
             )
-        if self._persist("nonfinite"):
+        if self._book.persist("nonfinite", self._step):
             return
         bad = np.flatnonzero(norms.layer_nonfinite)
-        self._begin(
-            "nonfinite",
-            bad,
-            self._step,
-            f"non-finite gradients (NaN or inf) in {len(bad)} of "
-            f"{len(self._norms.layers)} layers, in forward order: "
-            f"{self._names(bad)}{_replicas.note(self.model)}.{note}",
-        )
+        self._begin("nonfinite", bad, self._step, self._nonfinite_text(bad) + note)
 
     def _check_vanishing(self, norms):
         values = norms.layer_norms
@@ -280,18 +292,14 @@ class GradientMonitor(keras.callbacks.Callback):
         for i in np.flatnonzero(is_open):
             state = self._vanishing[i]
             if low[i]:
-                state["until"] = self._step
-                state["checks"] += 1
-                state["_clear"] = 0
-            else:
-                state["_clear"] += 1
-                if state["_clear"] >= self.recovery_steps:
-                    ended.append(i)
+                self._book.extend(state, self._step)
+            elif self._book.clear(state):
+                ended.append(i)
         new = np.flatnonzero(~is_open & (self._below >= self.vanishing_steps)).tolist()
         for i in ended:
             state, self._vanishing[i] = self._vanishing[i], None
             self._vanishing_open[i] = False
-            self._end(
+            self._book.end(
                 state,
                 f"the gradient norm of {self._names([i], values)} is no longer "
                 f"below vanishing_threshold={self.vanishing_threshold:g}",
@@ -315,7 +323,7 @@ class GradientMonitor(keras.callbacks.Callback):
             self._vanishing[i] = layer_state
             self._vanishing_open[i] = True
 
-    def _check_exploding(self, norms):
+    def _check_exploding(self, norms, skipped):
         value = norms.global_norm
         if not np.isfinite(value):
             return
@@ -331,12 +339,12 @@ class GradientMonitor(keras.callbacks.Callback):
                 )
         self._recent.append(value)
         if reason is None:
-            self._recover("exploding")
+            self._book.recover("exploding")
             return
-        if self._persist("exploding"):
+        if skipped or self._book.persist("exploding", self._step):
             return
         layers = norms.layer_norms
-        largest = np.argsort(-np.nan_to_num(layers, nan=-1.0), kind="stable")[:3]
+        largest = self._largest(layers)
         self._begin(
             "exploding",
             largest,
@@ -345,81 +353,40 @@ class GradientMonitor(keras.callbacks.Callback):
             f"largest layer norms: {self._names(largest, layers)}.",
         )
 
-    def _persist(self, kind):
-        """Whether a `kind` state is open; if so, this check extends it."""
-        state = self._active[kind]
-        if state is None:
-            return False
-        state["until"] = self._step
-        state["checks"] += 1
-        state["_clear"] = 0
-        return True
-
-    def _recover(self, kind):
-        """A check free of `kind`: its open state ends after enough of them."""
-        state = self._active[kind]
-        if state is None:
+    def _check_skipped(self, norms, skipped):
+        if not skipped:
+            self._book.recover("skipped")
             return
-        state["_clear"] += 1
-        if state["_clear"] >= self.recovery_steps:
-            self._active[kind] = None
-            self._end(state, _ENDED[kind])
+        if self._book.persist("skipped", self._step):
+            return
+        if norms.nonfinite:
+            layers = np.flatnonzero(norms.layer_nonfinite)
+            found = self._nonfinite_text(layers)
+        else:
+            layers = self._largest(norms.layer_norms)
+            found = (
+                f"global norm {norms.global_norm:.4g}; largest layer norms: "
+                f"{self._names(layers, norms.layer_norms)}."
+            )
+        self._begin(
+            "skipped",
+            layers,
+            self._step,
+            f"skip_bad_steps skipped the update: {found} The weights and the "
+            "optimizer's state are as they were before the step.",
+        )
 
     def _begin(self, kind, indices, since, text, per_layer=False):
         """Opens a state (one per layer with `per_layer`) and reports it."""
         layers = [self._norms.layers[i] for i in indices]
-        groups = [[layer] for layer in layers] if per_layer else [layers]
-        states = []
-        for group in groups:
-            state = {
-                "kind": kind,
-                "layers": group,
-                "since": since,
-                "until": self._step,
-                "checks": 1,
-                "ongoing": True,
-                "_clear": 0,
-            }
-            self.states.append(state)
-            states.append(state)
-        if not per_layer:
-            self._active[kind] = states[0]
-        self._report(kind, layers, text, since=since)
-        return states
-
-    def _end(self, state, text):
-        state["ongoing"] = False
-        since, until, checks = state["since"], state["until"], state["checks"]
-        self._report(
-            state["kind"] + "_ended",
-            state["layers"],
-            f"{text} for {self.recovery_steps} checks in a row: the state lasted "
-            f"{_lasted(since, until, checks)}.",
-            since=since,
-            until=until,
-            checks=checks,
-        )
+        return self._book.begin(kind, layers, since, self._step, text, per_layer)
 
     def summary(self):
         """The states of the last `fit`, one line each, as a str."""
-        if not self.states:
-            return "no non-finite, vanishing or exploding gradients"
-        lines = []
-        for state in self.states:
-            names = ", ".join(repr(layer) for layer in state["layers"])
-            whole = (
-                ", the whole run" if state["ongoing"] and state["since"] == self._first_step else ""
-            )
-            end = f", until the end{whole}" if state["ongoing"] else ""
-            lines.append(
-                f"{names} {_KIND_NAMES[state['kind']]}: "
-                f"{_lasted(state['since'], state['until'], state['checks'])}{end}"
-            )
-        return "\n".join(lines)
+        return self._book.summary(self._first_step)
 
     def on_train_end(self, logs=None):
-        for state in self.states:
-            state.pop("_clear", None)
+        self._book.finish()
         if self.states and self.action != "raise" and self._last_step is not None:
             warnings.warn(
                 f"GradientMonitor: summary of steps {self._first_step}-{self._last_step}:\n"
@@ -440,7 +407,8 @@ class GradientMonitor(keras.callbacks.Callback):
                 **extra,
             }
         )
-        if kind.endswith("_ended"):
+        if kind.endswith("_ended") or kind == "skipped":
+            # An end, or a step that left the model intact: only a warning.
             warnings.warn(f"GradientMonitor: {message}", stacklevel=3)
             return
         if self.action == "raise":

@@ -5,6 +5,10 @@ in one section; the second component keeps the kinds apart (a layer named
 `log10_global_norm` cannot collide with the global norm). Per-layer tags
 are named by the layer's path alone, so that the same layer has the same
 tag in every run; forward order lives in the custom-scalars layout.
+
+TensorFlow writes the events on every backend; it is imported where they
+are written, so that `GradientMonitor` (which flushes the writers here)
+loads it on JAX and PyTorch only if a TensorBoard callback wrote.
 """
 
 import re
@@ -12,7 +16,6 @@ import time
 import weakref
 
 import numpy as np
-import tensorflow as tf
 
 from keras_keepgrad import _compat
 
@@ -136,10 +139,12 @@ def write_layout(layers, loss_scaled, count_skipped, dynamics_charts=()):
     The loss scale has a category of its own, written only under a
     `LossScaleOptimizer` (a run without the optimizer has nothing to show).
     `dynamics_charts` (`[(title, [tag regex, ...])]`, from
-    `_dynamics.tensorboard_charts`) go in a category of their own,
+    `metrics.compiled.tensorboard_charts`) go in a category of their own,
     "Training dynamics", if any. Must run under a default summary writer.
     Returns False (and writes nothing) if the TensorBoard package is missing.
     """
+    import tensorflow as tf
+
     try:
         from tensorboard.plugins.custom_scalar import layout_pb2
         from tensorboard.plugins.custom_scalar import metadata
@@ -255,6 +260,8 @@ def _rows_function():
     `WriteRawProtoSummary` on the handle, without `record_if` (Keras sets
     one that counts executions).
     """
+    import tensorflow as tf
+
     if _ROWS_FUNCTION:
         return _ROWS_FUNCTION[0]
     gen_summary_ops = _compat.summary_ops()  # no public op taking a handle
@@ -278,7 +285,12 @@ def _rows_function():
 def flush_all():
     """Writes every buffered row, e.g. before an error ends `fit` (which
     then calls no `on_train_end`). A writer that fails is skipped."""
-    for writer in list(_WRITERS):
+    writers = list(_WRITERS)
+    if not writers:
+        return  # nothing was written: TensorFlow need not be loaded
+    import tensorflow as tf
+
+    for writer in writers:
         try:
             writer.flush()
         except (tf.errors.OpError, OSError):
@@ -344,6 +356,8 @@ class ScalarWriter:
 
     def write(self, step, values, now=False):
         """Adds one step's values; `now=True` writes the buffer at once."""
+        import tensorflow as tf
+
         proto = self._proto(values)
         if not self.traced:
             _compat.summary_ops().write_raw_proto_summary(
@@ -363,6 +377,8 @@ class ScalarWriter:
 
     def flush(self):
         """Writes the buffered rows (to the writer, not yet to the file)."""
+        import tensorflow as tf
+
         if not self._rows:
             return
         rows, steps = self._rows, np.asarray(self._steps, np.int64)
@@ -416,6 +432,8 @@ class StepFunctionWriter:
 
 def nonfinite_kinds(values):
     """float32: -1 for each -inf entry, 0 for each NaN, +1 for each +inf."""
+    import tensorflow as tf
+
     values = tf.reshape(values, [-1])
     bad = tf.boolean_mask(values, ~tf.math.is_finite(values))
     return tf.where(tf.math.is_nan(bad), 0.0, tf.sign(tf.cast(bad, tf.float32)))

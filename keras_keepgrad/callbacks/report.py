@@ -11,7 +11,6 @@ import keras
 import numpy as np
 
 from keras_keepgrad import _checks
-from keras_keepgrad import _stats
 from keras_keepgrad.callbacks import _health
 from keras_keepgrad.callbacks import _reading
 
@@ -35,7 +34,7 @@ _VERDICT_COLORS = {
 }
 
 
-class GradientReport(keras.callbacks.Callback):
+class GradientReport(_reading.KeptStepReader):
     """Sums up each layer's gradient norms over a `fit`, with a verdict.
 
     After every training batch it reads each layer's gradient L2 norm (the
@@ -74,6 +73,11 @@ class GradientReport(keras.callbacks.Callback):
             (floats, over the finite steps; NaN if there were none),
             `nonfinite` and `vanishing_steps` (ints) and `verdict`.
         backend: Str. The Keras backend the report was made on.
+        skipped_steps: Int. How many of the steps read `skip_bad_steps`
+            skipped (as `fit` logs them); the heading says so
+            when there were any. Their norms count like any other step's:
+            the report describes the gradients, whether the update ran or
+            not (`GradientTensorBoard`'s non-finite count does the same).
 
     Raises:
         ValueError: On an invalid argument; when the model was built with
@@ -89,6 +93,8 @@ class GradientReport(keras.callbacks.Callback):
         report.rows[0]["verdict"]   # 'vanishing'
         ```
     """
+
+    _callback_name = "GradientReport"
 
     def __init__(
         self,
@@ -109,20 +115,10 @@ class GradientReport(keras.callbacks.Callback):
         self.title = title
         self.rows = []
         self.backend = keras.backend.backend()
-        self._steps = _reading.StepCounter()
-        self._new = _reading.NewGradients(self)
-        self._logs = None
-
-    def set_model(self, model):
-        super().set_model(model)
-        # Before `fit` makes the training function: it records the norms.
-        _stats.require(model)
+        self.skipped_steps = 0
 
     def on_train_begin(self, logs=None):
-        _checks.require_kept_gradients(self.model, "GradientReport")
-        self._steps.begin_train()
-        self._new.begin(self.model)
-        self._norms = _reading.LatestNorms(self.model)
+        super().on_train_begin(logs)
         self._start()
         self.backend = keras.backend.backend()
         self.rows = []
@@ -137,25 +133,16 @@ class GradientReport(keras.callbacks.Callback):
         self._nonfinite = np.zeros(n, np.int64)
         self._vanishing = np.zeros(n, np.int64)
         self._read = 0
+        self.skipped_steps = 0
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self._steps.begin_epoch(epoch)
+    def _on_layers_changed(self):
+        self._start()  # the step kept other layers than it trains
 
-    def on_train_batch_end(self, batch, logs=None):
-        self._logs = logs if isinstance(logs, dict) else None
-        model = _reading.unsynced_model(self)
-        self._steps.end_batch(batch, self.params, getattr(model, "steps_per_execution", 1))
-        kept = model.kept_step
-        if self._norms.follow(model, kept):
-            self._start()  # the step kept other layers than it trains
-        if not self._norms.paths:
-            return
-        if self._new.step_of(model, self._steps.step, kept) is None:
-            return  # `keep_every`: nothing kept since the last read
-        norms = self._norms.read(model, self._logs)
+    def _on_kept_step(self, step, epoch, norms):
         values = np.asarray(norms.layer_norms, np.float64)
         finite = np.isfinite(values) & ~np.asarray(norms.layer_nonfinite, bool)
         self._read += 1
+        self.skipped_steps += bool(self._was_skipped(step, norms))
         self._nonfinite += ~finite
         self._count += finite
         self._sum += np.where(finite, values, 0.0)
@@ -201,8 +188,9 @@ class GradientReport(keras.callbacks.Callback):
 
     def _subtitle(self):
         steps = self.rows[0]["steps"] if self.rows else 0
+        skipped = f" ({self.skipped_steps} skipped)" if self.skipped_steps else ""
         return (
-            f"{steps} training steps read, backend {self.backend}; vanishing: mean "
+            f"{steps} training steps read{skipped}, backend {self.backend}; vanishing: mean "
             f"norm < {_health.VANISHING_THRESHOLD:g}, exploding: > "
             f"{_health.EXPLODING_THRESHOLD:g}"
         )

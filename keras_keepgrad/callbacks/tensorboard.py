@@ -1,6 +1,10 @@
 """`GradientTensorBoard`: Keras's TensorBoard plus the gradient panels.
 
 Conventions for steps and layers: see `keras_keepgrad.callbacks`.
+
+TensorFlow writes the events on every backend, as for Keras's own
+TensorBoard callback; it is imported where they are written, not at the
+top, so that importing the package loads it only on its own backend.
 """
 
 import os
@@ -10,14 +14,13 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_keepgrad import _checks
-from keras_keepgrad import _stats
 from keras_keepgrad.callbacks import _reading
 from keras_keepgrad.callbacks import _skipped
 from keras_keepgrad.callbacks import heatmap
 from keras_keepgrad.callbacks import panels
+from keras_keepgrad.metrics.compiled import tensorboard_charts
 
 __all__ = ["GradientTensorBoard"]
 
@@ -26,7 +29,7 @@ __all__ = ["GradientTensorBoard"]
 _HEATMAP_SHARE = 0.02
 
 
-class GradientTensorBoard(keras.callbacks.TensorBoard):
+class GradientTensorBoard(_reading.KeptStepReader, keras.callbacks.TensorBoard):
     """A `keras.callbacks.TensorBoard` that also draws the kept gradients.
 
     Writes everything `keras.callbacks.TensorBoard` writes, and under
@@ -137,6 +140,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         ```
     """
 
+    _callback_name = "GradientTensorBoard"
+
     def __init__(
         self,
         log_dir: str | os.PathLike = "logs",
@@ -161,14 +166,9 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self.write_heatmap = _checks.check_bool("write_heatmap", write_heatmap)
         self.gradient_histogram_freq = gradient_histogram_freq
         self._batch_logs = None
-        self._logs = None  # this batch's, for `_stats.read`
-        self._steps = _reading.StepCounter()
-        self._new = _reading.NewGradients(self)
-        self._norms = None
         self._heatmap = None
         self._layout_written = False
         self._warned = False
-        self._skipped = _skipped.SkippedMarks()
 
     def set_model(self, model):
         # Before making the log directory: a plain model gets nothing
@@ -179,15 +179,9 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         # Fail at `fit`'s start with a clear message, not from the writer.
         _checks.check_writable_dir(os.path.join(self.log_dir, "train"), "log_dir", self.log_dir)
         super().set_model(model)
-        # Before `fit` makes the training function: it records the norms.
-        _stats.require(model)
 
     def on_train_begin(self, logs=None):
-        _checks.require_kept_gradients(self.model, "GradientTensorBoard")
         super().on_train_begin(logs)
-        self._steps.begin_train()
-        self._new.begin(self.model)
-        self._norms = _reading.LatestNorms(self.model)
         self._heatmap = heatmap.Heatmap()
         self._train_began = time.monotonic()
         self._heatmap_seconds = 0.0  # spent drawing it in this `fit`
@@ -241,23 +235,26 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             self._train_writer, tags, traced=traced, descriptions=descriptions
         )
 
-    def _follow_kept_layers(self, kept=None):
+    def _follow(self, model=None, kept=None):
         """Once the step is traced, its kept layers are the panels' layers.
 
         Before, at the first `fit`'s start, they are taken to be the
         trainable ones; the layout is written once they are known, so that
         it shows no chart a step never fills. A step that keeps other
         layers than the last (an eager step whose optimizers vary) changes
-        them again: the heatmap, whose rows are the layers, starts over.
+        them again (`_on_layers_changed`).
         """
-        if self._norms.follow(_reading.unsynced_model(self), kept):
-            self._guarded(self._scalars.flush)
-            self._scalars = self._norm_writer()
-            if self._heatmap.columns:
-                self._heatmap = heatmap.Heatmap()
+        super()._follow(model, kept)
         if not self._layout_written:
             self._layout_written = True
             self._guarded(self._write_layout)
+
+    def _on_layers_changed(self):
+        # The heatmap, whose rows are the layers, starts over.
+        self._guarded(self._scalars.flush)
+        self._scalars = self._norm_writer()
+        if self._heatmap.columns:
+            self._heatmap = heatmap.Heatmap()
 
     def _scalar_writers(self):
         return [
@@ -272,7 +269,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     def on_train_end(self, logs=None):
         # Before Keras closes the writers.
-        self._follow_kept_layers()
+        self._follow()
         self._guarded(self._flush_scalars)
         if self._heatmap_pending is not None:  # stopped before the last epoch
             self._guarded(self._write_heatmap, self._heatmap_pending)
@@ -280,22 +277,18 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     def on_epoch_begin(self, epoch, logs=None):
         super().on_epoch_begin(epoch, logs)
-        self._steps.begin_epoch(epoch)
-        self._skipped.begin_epoch()
         self._epoch_first_step = self._steps.step
 
     def on_train_batch_end(self, batch, logs=None):
         # Keras writes each batch log with an eager `tf.summary.scalar`; the
         # same tags, steps and values go through one buffered writer here
-        # (`_write_batch_logs`), the rest of Keras's batch work as it is.
-        super().on_train_batch_end(batch, None)
-        self._logs = logs if isinstance(logs, dict) else None
+        # (`_write_batch_logs`), the rest of Keras's batch work as it is;
+        # the norms are read here at `update_freq`, not at every batch.
+        keras.callbacks.TensorBoard.on_train_batch_end(self, batch, None)
         if isinstance(logs, dict) and self.update_freq != "epoch":
             self._guarded(self._write_batch_logs, logs)
-        previous = self._steps.end_batch(
-            batch, self.params, getattr(self._model, "steps_per_execution", 1)
-        )
-        self._guarded(self._skipped.write, self._train_writer, logs, self._steps.step)
+        previous = self._advance(batch, logs)
+        self._guarded(_skipped.mark, self._train_writer, self._skips.new, self._steps.step)
         if self.update_freq != "epoch" and _reading.crossed(
             previous, self._steps.step, self.update_freq
         ):
@@ -325,6 +318,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         self._batch_logs.write(step, values, now=not np.isfinite(values).all())
 
     def on_epoch_end(self, epoch, logs=None):
+        import tensorflow as tf
+
         # Keras 3.15 leaves its batch-level `record_if` (counting executions)
         # active here, so with an integer `update_freq` it silently drops the
         # epoch metrics and weight histograms of some epochs.
@@ -332,7 +327,7 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
             super().on_epoch_end(epoch, logs)
         if self._steps.step == 0:
             return
-        self._follow_kept_layers()
+        self._follow()
         if self.update_freq == "epoch" and self._steps.step > self._epoch_first_step:
             self._logs = None
             self._guarded(self._record)
@@ -367,6 +362,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
 
     def _guarded(self, fn, *args):
         # A TensorBoard problem is warned about once, never raised mid-`fit`.
+        import tensorflow as tf
+
         try:
             fn(*args)
         except (tf.errors.OpError, OSError) as error:
@@ -379,11 +376,10 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
                 )
 
     def _write_layout(self):
-        with self._train_writer.as_default(), tf.summary.record_if(True):
-            # Here, not at the top: `_dynamics` imports `metrics`, which imports it.
-            from keras_keepgrad import _dynamics
+        import tensorflow as tf
 
-            charts = _dynamics.tensorboard_charts(self.model)
+        with self._train_writer.as_default(), tf.summary.record_if(True):
+            charts = tensorboard_charts(self.model)
             if not panels.write_layout(
                 self._norms.layers, self._loss_scaled, self._count_skipped, charts
             ):
@@ -396,13 +392,10 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
     def _record(self):
         model = _reading.unsynced_model(self)
         kept = model.kept_step
-        self._follow_kept_layers(kept)
-        if not self._norms.paths:
-            return
-        step = self._new.step_of(model, self._steps.step, kept)
-        if step is None:
-            return  # `keep_every`: nothing kept since the last record
-        norms = self._norms.read(model, self._logs)
+        self._follow(model, kept)
+        self._read_kept(model, kept)
+
+    def _on_kept_step(self, step, epoch, norms):
         layer_norms = np.asarray(norms.layer_norms, np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):
             logs = np.log10(np.append(norms.global_norm, layer_norms))
@@ -437,6 +430,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
         return step
 
     def _write_histograms(self, step):
+        import tensorflow as tf
+
         model = _reading.unsynced_model(self)
         if self._new.nothing_kept(model):
             return
@@ -471,6 +466,8 @@ class GradientTensorBoard(keras.callbacks.TensorBoard):
                     )
 
     def _write_heatmap(self, epoch):
+        import tensorflow as tf
+
         start = time.monotonic()
         self._heatmap_pending = None
         image = heatmap.render_heatmap(self._heatmap, self._norms.layers)

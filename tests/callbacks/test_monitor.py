@@ -6,12 +6,15 @@ dL/dw = w * (1 + 4) = 5w: 15 at w = 3, then w' = 3 - 0.1*15 = 1.5 -> 7.5,
 then 0.75 -> 3.75.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
 from callback_helpers import hand_data
 from callback_helpers import hand_model
 from callback_helpers import two_layer_model
+from report_cases import monitor_messages
 
 import keras_keepgrad as kg
 from keras_keepgrad import callbacks
@@ -59,6 +62,63 @@ def test_monitor_lists_nonfinite_layers_in_forward_order():
     assert monitor.events[0]["layers"] == ["z_first", "a_second"]
     # The report, then the run's summary.
     assert "summary of steps 1-1" in str(caught[1].message) and len(caught) == 2
+
+
+def test_monitor_names_the_first_layer_of_a_skipped_step_and_does_not_stop():
+    # As above, with `skip_bad_steps`: the NaN step 2 (only in 'a') is
+    # skipped, so `fit` goes on to step 3 from the weights of step 1.
+    model = sqrt_model()
+    model.skip_bad_steps = True
+    x = np.array([[1.0], [4.0], [0.0], [0.0], [1.0], [1.0]])
+    monitor = callbacks.GradientMonitor(action="stop")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, np.ones_like(x), batch_size=2, shuffle=False, verbose=0, callbacks=[monitor])
+    assert int(model.optimizer.iterations.numpy()) == 2  # steps 1 and 3
+    assert [(e["kind"], e["step"], e["layers"]) for e in monitor.events] == [("skipped", 2, ["a"])]
+    assert monitor_messages(caught) == [
+        "GradientMonitor: Step 2: skip_bad_steps skipped the update: non-finite gradients "
+        "(NaN or inf) in 1 of 2 layers, in forward order: 'a'. The weights and the "
+        "optimizer's state are as they were before the step.",
+        "GradientMonitor: summary of steps 1-3:\n'a' skipped: steps 2-2 (1 check), until the end",
+    ]
+
+
+def test_monitor_tells_skipped_steps_under_steps_per_execution():
+    # Executions of 2 steps; the monitor checks their last: steps 2, 4, 6, 8.
+    # Steps 2, 3, 4 are NaN and skipped. Execution 1 skipped 1 of its 2
+    # steps, which the log does not name: step 2 is NaN, and
+    # `skip_bad_steps` skips NaN steps, so it was. Execution 2 skipped both.
+    # Steps 6 and 8 end the state (recovery_steps=2).
+    model = hand_model(lr=0.0, steps_per_execution=2)
+    model.skip_bad_steps = True
+    x, y = hand_data(8)
+    x[2:8] = np.nan
+    monitor = callbacks.GradientMonitor(action="raise", recovery_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[monitor])
+    assert int(model.optimizer.iterations.numpy()) == 5
+    assert [(e["kind"], e["step"], e["since"], e.get("until")) for e in monitor.events] == [
+        ("skipped", 2, 2, None),
+        ("skipped_ended", 8, 2, 4),
+    ]
+    assert monitor.states[0]["checks"] == 2
+    assert len(monitor_messages(caught)) == 2  # `action="raise"`: no summary
+
+
+def test_monitor_under_loss_scaling_counts_nan_as_before_with_skip_bad_steps():
+    # The test below, with `skip_bad_steps`: the optimizer skips NaN steps
+    # itself, and they count once its scale fell below min_loss_scale.
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=4.0)
+    model = hand_model(optimizer=optimizer)
+    model.skip_bad_steps = True
+    x, y = hand_data(5)
+    y[:] = np.nan
+    monitor = callbacks.GradientMonitor(action="raise")
+    with pytest.raises(RuntimeError, match=r"Step 3: non-finite .*'dense_0'.*fell to 0\.5"):
+        model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[monitor])
+    assert [e["kind"] for e in monitor.events] == ["nonfinite"]
 
 
 def test_monitor_waits_for_the_loss_scale_then_raises():

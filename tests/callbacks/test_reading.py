@@ -22,6 +22,7 @@ from conftest import Recorder
 
 import keras_keepgrad as kg
 from keras_keepgrad import callbacks
+from keras_keepgrad.callbacks import _skipped
 
 
 def test_keep_every_callbacks_read_each_kept_step_once_at_its_step(tmp_path):
@@ -193,3 +194,24 @@ def test_callbacks_of_a_model_built_by_its_first_batch(tmp_path, mode, own_step)
     assert [(e["kind"], e["step"], e["layers"]) for e in monitor.events] == [
         ("exploding", 1, ["net/dense_0"])
     ]
+
+
+def test_skipped_log_tells_the_skipped_steps_from_the_counts():
+    log = _skipped.SkippedLog()
+    log.begin_epoch()
+    # Executions of 2 steps: 1-2 skipped one (which, the count does not
+    # say), 3-4 and 5-6 both, 7-8 none; then a new epoch counts from 0.
+    for previous, count in ((0, 1.0), (2, 3.0), (4, 5.0), (6, 5.0)):
+        log.end_batch({"skipped_steps": count}, previous, previous + 2)
+    assert log.new == 0.0
+    assert [log.skipped(step) for step in range(1, 10)] == [
+        None, None, True, True, True, True, False, False, False,
+    ]  # fmt: skip
+    assert log._runs == [(0, 2, 1.0), (2, 6, 4)]  # 3-4 and 5-6 as one
+    log.begin_epoch()
+    log.end_batch({"skipped_steps": 1.0}, 8, 9)
+    assert (log.new, log.skipped(9)) == (1.0, True)
+    log.forget(4)
+    assert [log.skipped(step) for step in (2, 5, 9)] == [False, True, True]
+    log.end_batch({"loss": 0.5}, 9, 10)  # a model that does not skip
+    assert (log.new, log.skipped(10)) == (0.0, False)

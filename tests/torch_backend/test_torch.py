@@ -591,10 +591,12 @@ def test_keep_every_holds_its_copy_through_in_place_zeroing(jit_compile):
 
 def test_no_tensorflow_in_the_keeper():
     from keras_keepgrad import _ops
+    from keras_keepgrad import _squares
     from keras_keepgrad.backend import torch as _keeper_torch
 
     assert "tensorflow" not in _keeper_torch.__dict__
     assert "tensorflow" not in _ops.__dict__
+    assert _squares.tf is _ops.tf_ops
     assert "tf" not in _keeper_torch.__dict__
 
 
@@ -762,16 +764,16 @@ def test_the_step_statistics_are_the_metrics_own_sums(tmp_path, monkeypatch):
     # and the two callbacks read them without computing anything.
     import stats_cases
 
-    from keras_keepgrad import _ops
+    from keras_keepgrad import _squares
 
     calls = []
-    summed = _ops._torch_sum_squares
+    summed = _squares._float32_sums
 
     def counted(grads):
         calls.append(len(grads))
         return summed(grads)
 
-    monkeypatch.setattr(_ops, "_torch_sum_squares", counted)
+    monkeypatch.setattr(_squares, "_float32_sums", counted)
     stats_cases.metric_and_two_callbacks_read_the_step_statistics(tmp_path, monkeypatch)
     assert calls == [2, 2]  # 2 steps, 2 gradients each
 
@@ -779,11 +781,11 @@ def test_the_step_statistics_are_the_metrics_own_sums(tmp_path, monkeypatch):
 def test_the_step_statistics_without_a_metric_are_computed_once_per_step(monkeypatch):
     import stats_cases
 
-    from keras_keepgrad import _ops
+    from keras_keepgrad import _squares
 
     calls = []
-    summed = _ops._torch_sum_squares
-    monkeypatch.setattr(_ops, "_torch_sum_squares", lambda g: calls.append(len(g)) or summed(g))
+    summed = _squares._float32_sums
+    monkeypatch.setattr(_squares, "_float32_sums", lambda g: calls.append(len(g)) or summed(g))
     model = stats_cases.two_layers()
     seen = stats_cases.Squares()
     model.fit(np.tile(X, (3, 1)), np.tile(Y, (3, 1)), batch_size=2, shuffle=False, verbose=0,

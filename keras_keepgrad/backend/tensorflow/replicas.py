@@ -18,7 +18,7 @@ The variable is held by the keeper, as the slots are: never in
 import numpy as np
 import tensorflow as tf
 
-from keras_keepgrad import _stats
+from keras_keepgrad import _squares
 from keras_keepgrad.backend.tensorflow.slots import densify
 from keras_keepgrad.backend.tensorflow.slots import on_read
 
@@ -35,7 +35,7 @@ def nonfinite(grads):
     present = [g for g in grads if g is not None]
     if not present:
         return tf.constant(False)
-    squares = _stats.sum_squares(present, exact=False)
+    squares = _squares.sum_squares(present, exact=False)
 
     def entries():
         return tf.logical_not(
