@@ -2,7 +2,9 @@
 # The oldest tested set (README's "Tested with"): in a fresh venv, install it
 # as a user would have it, then this package, and check that installing the
 # package moved none of it; run the fast suite (`-m "not slow"`) on
-# TensorFlow, JAX and PyTorch. CI's full suite covers the newest set.
+# TensorFlow, JAX and PyTorch (under JAX and PyTorch, `tests` collects the
+# contract's modules and that backend's directory: tests/conftest.py). CI's
+# full suite covers the newest set.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 start=$SECONDS
@@ -34,10 +36,10 @@ cd "$repo"
 python -m pytest -q -n auto -m "not slow" -p no:cacheprovider \
     --deselect tests/test_keras_suite.py::test_kept_trainer_test_mixes_the_layer_in_first
 KERAS_BACKEND=jax XLA_FLAGS=--xla_force_host_platform_device_count=2 \
-    python -m pytest -q -n auto -m "not slow" -p no:cacheprovider tests/jax_backend tests/any_backend
+    python -m pytest -q -n auto -m "not slow" -p no:cacheprovider tests
 # `jit_compile=True` on PyTorch needs Keras 3.12+ beside PyTorch 2.13: plain
 # Keras 3.10's compiled step fails in TorchDynamo (docs/backends.md).
 KERAS_BACKEND=torch \
     python -m pytest -q -n auto -m "not slow" -p no:cacheprovider -k "not jit" \
-    tests/torch_backend tests/any_backend
+    tests
 echo "oldest set: installed and tested in $((SECONDS - start)) s"

@@ -8,6 +8,7 @@ metrics, two `KeepGradModel`s without gradient metrics).
 """
 
 import collections
+import functools
 
 import keras
 import numpy as np
@@ -121,8 +122,6 @@ def compiled(spec, cls, weights=None, metrics=None, jit_compile="auto", optimize
 
 # What keeping costs: `keeping` times these against a plain `keras.Model`.
 KEEPING = ("plain", "control", "kept", "every10", "hand", "floor", "recompute")
-# `skip_bad_steps` on: judged against `kept` (`run.py keeping --variants kept skip skip_spike`).
-SKIPPING = ("skip", "skip_spike")
 
 
 def keeping_model(variant, spec, weights, jit_compile, optimizer):
@@ -135,10 +134,6 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
         cls, kw = kg.KeepGradModel, {"keep_every": 10}
     elif variant == "off":
         cls, kw = kg.KeepGradModel, {"keep_gradients": False}
-    elif variant == "skip":
-        cls, kw = kg.KeepGradModel, {"skip_bad_steps": True}
-    elif variant == "skip_spike":
-        cls, kw = kg.KeepGradModel, {"skip_bad_steps": kg.SkipBadSteps(spike_factor=10.0)}
     elif variant in ("hand", "floor", "recompute") and backend != "tensorflow":
         if (variant, backend) != ("floor", "torch"):
             raise ValueError(f"Variant {variant!r} is timed on TensorFlow only.")
@@ -146,7 +141,7 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
     elif variant in ("hand", "floor"):
         cls = _tf_models()[variant]
     elif variant not in ("plain", "control", "recompute"):
-        raise ValueError(f"Unknown variant: {variant!r}. Expected one of {KEEPING + SKIPPING}.")
+        raise ValueError(f"Unknown variant: {variant!r}. Expected one of {KEEPING}.")
     model = compiled(spec, cls, weights, jit_compile=jit_compile, optimizer=optimizer, **kw)
     if variant in ("hand", "floor") and backend == "tensorflow":
         model.make_slots()
@@ -295,21 +290,54 @@ def _floor_metric(kind):
     """The bare parameter-sized work of a statistic, as a gradient metric.
 
     All three take the step's sums of squares (shared with `GradientNorm`).
-    `floor_window`: an `assign_add` of every gradient into a float32
-    buffer (read the gradient and the buffer, write the buffer): the noise
-    scale and the SNR on one device. `floor_dot`: `reduce_sum(g * h)` of
-    every gradient with its copy from the previous step (the fastest dot
-    product of two parameter-sized tensors found without XLA), and the copy
-    (an assignment, which shares the gradient's buffer): the cosine.
-    `floor_replicas`: the squared norms of each replica's partial gradient,
-    summed in one all-reduce of a scalar: the noise scale and the SNR with
-    replicas in the process.
+    `floor_window`: an add of every gradient into a float32 buffer (read
+    the gradient and the buffer, write the buffer): the noise scale and
+    the SNR on one device. `floor_dot`: a dot product of every gradient
+    with its copy from the previous step, and the copy: the cosine.
+    `floor_replicas` (TensorFlow): the squared norms of each replica's
+    partial gradient, summed in one all-reduce of a scalar: the noise scale
+    and the SNR with replicas in the process.
+
+    The buffers are held as the dynamics metrics hold theirs: on TensorFlow
+    plain `tf.Variable`s made outside the traced step; on JAX and PyTorch
+    the metric's own Keras variables, made before the step is traced (JAX
+    threads them through its stateless step as metrics variables).
     """
+    if keras.backend.backend() == "tensorflow":
+        return _tf_floor(kind)
+    if kind == "floor_replicas":
+        raise ValueError("`floor_replicas` is timed on TensorFlow only (`--mirrored`).")
+    return _keras_floor(kind)
+
+
+def _private():
+    """The library's private helpers the floors use, in one place.
+
+    `shared_squares`: the step's per-variable sums of squares, which the
+    statistics and the norm metrics share (a floor that computed its own
+    would count a pass they do not make). On TensorFlow also
+    `create_outside_step` and `local_variable`: how the dynamics metrics
+    make their buffers.
+    """
+    from keras_keepgrad import _squares
+
+    found = dict(shared_squares=_squares.shared_squares)
+    if keras.backend.backend() == "tensorflow":
+        from keras_keepgrad import _capture
+        from keras_keepgrad.metrics import dynamics
+
+        found.update(
+            create=dynamics.create_outside_step,
+            local_variable=dynamics.local_variable,
+            current_step=_capture.current_step,
+        )
+    return found
+
+
+def _tf_floor(kind):
     import tensorflow as tf
 
-    from keras_keepgrad import _capture
-    from keras_keepgrad import _squares
-    from keras_keepgrad.metrics import dynamics
+    private = _private()
 
     class Floor(kg.metrics.GradientMetric):
         def __init__(self):
@@ -319,14 +347,14 @@ def _floor_metric(kind):
         def _step_values(self, grads):
             dense = {p: tf.cast(g, tf.float32) for p, g in grads.items()}
             if self._buffers is None:
-                self._buffers = dynamics.create_outside_step(
+                self._buffers = private["create"](
                     lambda: {
-                        p: dynamics.local_variable(tf.zeros(g.shape)) for p, g in dense.items()
+                        p: private["local_variable"](tf.zeros(g.shape)) for p, g in dense.items()
                     }
                 )
-            value = tf.cast(tf.reduce_sum(_squares.shared_squares(grads)), tf.float32)
+            value = tf.cast(tf.reduce_sum(private["shared_squares"](grads)), tf.float32)
             if kind == "floor_replicas":
-                partial = _capture.current_step().grads
+                partial = private["current_step"]().grads
                 local = tf.add_n([tf.nn.l2_loss(tf.cast(g, tf.float32)) for g in partial.values()])
                 context = tf.distribute.get_replica_context()
                 return {self.name: value + context.all_reduce(tf.distribute.ReduceOp.SUM, local)}
@@ -334,10 +362,76 @@ def _floor_metric(kind):
                 for p, g in dense.items():
                     self._buffers[p].assign_add(g, read_value=False)
             else:
+                # `reduce_sum(g * h)`: the fastest dot product of two
+                # parameter-sized tensors found without XLA.
                 held = {p: tf.convert_to_tensor(b) for p, b in self._buffers.items()}
                 value += tf.add_n([tf.reduce_sum(g * held[p]) for p, g in dense.items()])
+                # The assignment shares the gradient's buffer (without XLA).
                 for p, g in dense.items():
                     self._buffers[p].assign(g, read_value=False)
+            return {self.name: value}
+
+    return Floor()
+
+
+def _keras_floor(kind):
+    """On JAX and PyTorch. JAX: `ops.sum(g * h)` and an assignment of
+    `h + g`, which XLA fuses and, the state being donated, writes in place.
+    PyTorch, which runs each op as it comes: the least each needs there, an
+    in-place `add_` of the gradient into the buffer (one pass) and
+    `torch.dot` (one fused kernel, no product tensor), and the copy a
+    variable's assignment makes."""
+    from keras import ops
+
+    private = _private()
+    torch_backend = keras.backend.backend() == "torch"
+
+    def dot(g, h):
+        if torch_backend:
+            import torch
+
+            return torch.dot(g.reshape(-1), h.reshape(-1))
+        return ops.sum(g * h)
+
+    class Floor(kg.metrics.GradientMetric):
+        def __init__(self):
+            super().__init__(fn=None, name=kind)
+            self._buffers = {}
+
+        def _build_for(self, variables):
+            # Before JAX traces the step, which must find them among the
+            # metrics variables it is given.
+            super()._build_for(variables)
+            for v in variables:
+                if v.path not in self._buffers:
+                    self._buffers[v.path] = self.add_variable(
+                        shape=tuple(v.shape),
+                        initializer="zeros",
+                        aggregation="only_first_replica",
+                        name="floor",
+                    )
+
+        def _step_values(self, grads):
+            dense = {p: ops.cast(g, "float32") for p, g in grads.items()}
+            value = ops.sum(private["shared_squares"](grads))
+            buffers = self._buffers
+            if kind == "floor_window":
+                if torch_backend:
+                    import torch
+
+                    with torch.no_grad():
+                        for p, g in dense.items():
+                            buffers[p].value.add_(g)
+                else:
+                    for p, g in dense.items():
+                        buffers[p].assign(ops.convert_to_tensor(buffers[p]) + g)
+            else:
+                held = {p: ops.convert_to_tensor(buffers[p]) for p in dense}
+                value = value + functools.reduce(
+                    ops.add, [dot(g, held[p]) for p, g in dense.items()]
+                )
+                for p, g in dense.items():
+                    buffers[p].assign(g)
             return {self.name: value}
 
     return Floor()

@@ -20,6 +20,7 @@ when it first traces it.
 
 import argparse
 import collections
+import contextlib
 import datetime
 import gc
 import json
@@ -38,18 +39,33 @@ for _path in (os.path.dirname(HERE), HERE):
 BACKENDS = ("tensorflow", "jax", "torch")
 
 
-def _backend_in(argv):
+def _option_in(argv, option):
     for i, arg in enumerate(argv):
-        if arg == "--backend" and i + 1 < len(argv):
+        if arg == option and i + 1 < len(argv):
             return argv[i + 1]
-        if arg.startswith("--backend="):
+        if arg.startswith(option + "="):
             return arg.split("=", 1)[1]
     return None
+
+
+def _backend_in(argv):
+    return _option_in(argv, "--backend")
 
 
 # Keras reads its backend when first imported.
 if __name__ == "__main__" and _backend_in(sys.argv) in BACKENDS:
     os.environ["KERAS_BACKEND"] = _backend_in(sys.argv)
+# XLA reads its flags when JAX makes its CPU client: one thread for
+# `--threads 1` (XLA's CPU client takes no other count).
+if (
+    __name__ == "__main__"
+    and os.environ.get("KERAS_BACKEND") == "jax"
+    and _option_in(sys.argv, "--threads") == "1"
+):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    )
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
@@ -301,8 +317,11 @@ def op_counts(name, spec, optimizer):
 
 def metrics(args, specs, mode, dynamics=False):
     """What gradient metrics add to a `KeepGradModel` step (1M MLP)."""
+    backend = keras.backend.backend()
     strategy = tf.distribute.get_strategy()
-    if dynamics and args.mirrored:
+    if getattr(args, "mirrored", False):
+        if backend != "tensorflow":
+            raise SystemExit(f"--mirrored runs on TensorFlow only, not on {backend}.")
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     replicas = strategy.num_replicas_in_sync
     if dynamics:
@@ -317,23 +336,33 @@ def metrics(args, specs, mode, dynamics=False):
         variants = args.variants or models.METRICS[: 3 if args.quick else None]
         variants = ["reference", "control"] + [v for v in variants if v not in models.METRICS[:2]]
         summary = dict(targets={"grad_norm": METRICS_TARGET})
+    # Keras's default off TensorFlow: jitted on JAX, eager on PyTorch.
+    jit = args.jit or ("auto" if backend != "tensorflow" else False)
     spec, runners = specs["mlp_1m"], {}
     weights = initial_weights(spec)
+    # Off TensorFlow, whole `fit` calls (as `keeping` times them there), of
+    # a multiple of the statistics' 4-step window.
+    fixed = getattr(args, "steps", 0)
+    steps = fixed or (4 if args.smoke else 40)
     for v in variants:
-        with strategy.scope():
+        with strategy.scope() if backend == "tensorflow" else contextlib.nullcontext():
             model = models.compiled(
                 spec,
                 models.kg.KeepGradModel,
                 weights,
                 metrics=models.gradient_metrics(v),
-                jit_compile=args.jit,
+                jit_compile=jit,
             )
-        runners[v, 0] = tf_runner(model, None, spec)
+        if backend == "tensorflow":
+            runners[v, 0] = tf_runner(model, None, spec)
+        else:
+            runners[v, 0] = fit_runner(model, spec, steps)
     for run in runners.values():
-        run(3)
+        run(3 if backend == "tensorflow" else steps)
     rounds, passes, pass_seconds = mode
-    steps = calibrate(runners["reference", 0], pass_seconds)
-    log(f"  {replicas} replica(s), jit={args.jit}: {steps} steps/round")
+    if backend == "tensorflow":
+        steps = fixed or calibrate(runners["reference", 0], pass_seconds)
+    log(f"  {replicas} replica(s), jit={jit}: {steps} steps/round")
     runs = [time_rounds(runners, args.rounds or rounds, passes, steps)]
     found = config(
         runs,
@@ -342,7 +371,7 @@ def metrics(args, specs, mode, dynamics=False):
         model,
         "reference",
         summary,
-        jit_compile=args.jit,
+        jit_compile=jit,
         replicas=replicas,
         steps=steps,
     )
@@ -768,7 +797,12 @@ def make_parser():
         default=1,
         help="time in this many fresh processes, one after another, and pool their rounds",
     )
-    add("--threads", type=int, default=0, help="TensorFlow's op threads (0: its default)")
+    add(
+        "--threads",
+        type=int,
+        default=0,
+        help="op threads (0: the default; PyTorch: any count; JAX: only 1)",
+    )
     add("--models", nargs="+", help="only these models")
     add(
         "--variants",
@@ -784,7 +818,7 @@ def make_parser():
         )
         for name, fn in SUBCOMMANDS.items()
     }
-    for name in ("keeping", "tensorboard"):
+    for name in ("keeping", "tensorboard", "dynamics"):
         p[name].add_argument(
             "--backend",
             choices=(*BACKENDS, "all"),
@@ -810,7 +844,9 @@ def make_parser():
     k("--batch-size", type=_positive_int, help="override the models' batch size")
     k("--ops", action="store_true", help="also count the traced step's ops")
     for name in ("metrics", "dynamics"):
-        p[name].add_argument("--jit", action="store_true", help="jit_compile=True")
+        p[name].add_argument(
+            "--jit", action="store_true", help="jit_compile=True (default off; JAX: auto)"
+        )
     p["dynamics"].add_argument(
         "--mirrored", action="store_true", help="MirroredStrategy on 2 logical CPUs"
     )
@@ -871,6 +907,12 @@ def measure(args, backend, mode):
     if args.threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+        if backend == "torch":
+            import torch
+
+            torch.set_num_threads(args.threads)
+        elif backend == "jax" and args.threads != 1:
+            raise SystemExit("On JAX `--threads` takes 1 (one XLA thread) or 0 (its default).")
     specs = models.SMOKE_MODELS if args.smoke else models.MODELS
     if args.command == "memory" and args.child:
         memory_child(*args.child, specs, args.optimizer)

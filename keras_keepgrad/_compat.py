@@ -98,6 +98,7 @@ def _import_error(e):
 check_versions()
 
 try:
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
     from keras.src.models.functional import Functional
     from keras.src.models.model import functional_init_arguments
@@ -185,6 +186,7 @@ __all__ = [
     "summary_ops",
     "tensor_version",
     "tensorflow_version",
+    "torch_assign_add",
     "replace_metric_variable",
     "untrack_metric",
     "untrack_metric_variables",
@@ -386,6 +388,21 @@ def tensor_version(tensor):
     in place; torch has no public accessor.
     """
     return tensor._version
+
+
+def torch_assign_add(variable, value):
+    """`variable.assign_add(value)` on PyTorch, in place: one pass over the
+    buffer, not Keras 3.15's `assign(self + value)` (a new tensor, then a
+    copy), with the same float32 sums. `_value` is the variable's own
+    tensor; in a stateless scope the variable stands for another value.
+    """
+    import torch
+
+    if in_stateless_scope():
+        variable.assign_add(value)
+        return
+    with torch.no_grad():
+        variable._value.add_(value)
 
 
 def summary_ops():

@@ -12,27 +12,72 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-# The training-dynamics, report and skipping cases, shared by the TensorFlow
-# and the other backends' tests, report their failed asserts as test modules do.
-pytest.register_assert_rewrite("dynamics_cases", "report_cases", "skipping_cases")
+# The training-dynamics, report, skipping and statistics cases report their
+# failed asserts as test modules do.
+pytest.register_assert_rewrite("dynamics_cases", "report_cases", "skipping_cases", "stats_cases")
 
 import keras_keepgrad as kg  # noqa: E402
 from keras_keepgrad import _compat  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# `jax_backend/` runs under KERAS_BACKEND=jax, `torch_backend/` under
-# KERAS_BACKEND=torch, each with `any_backend/` (`test_backends.py` starts
-# them); the TensorFlow run collects none of the three but
-# `any_backend/test_versions.py`, which no TensorFlow test covers.
+BACKEND = keras.backend.backend()
+
+# The contract's tests: the same functions run on TensorFlow, JAX and
+# PyTorch (`test_backends.py` runs them under KERAS_BACKEND=jax and torch).
+# A test of what only one backend has carries
+# `@pytest.mark.backends("tensorflow", reason=...)` and is deselected on the
+# others. The rest of `tests/` (subprocesses: tutorials, docs, benchmarks,
+# Keras's own suite, tf.distribute; the package's layout) runs on TensorFlow
+# only, and `jax_backend/` / `torch_backend/` on their own backend only.
+CONTRACT = (
+    "test_model.py",
+    "test_capture.py",
+    "test_metrics.py",
+    "test_saving.py",
+    "test_dynamics.py",
+    "test_skipping.py",
+    "test_stats.py",
+    "callbacks",
+    "test_benchmark_floors.py",
+)
+BACKENDS = ("tensorflow", "jax", "torch")
 _BACKEND_DIRS = {"jax": "jax_backend", "torch": "torch_backend"}
-collect_ignore = [d for b, d in _BACKEND_DIRS.items() if b != keras.backend.backend()]
-if keras.backend.backend() not in _BACKEND_DIRS:
+collect_ignore = [d for b, d in _BACKEND_DIRS.items() if b != BACKEND]
+if BACKEND != "tensorflow":
     collect_ignore += [
-        os.path.join("any_backend", name)
-        for name in os.listdir(os.path.join(os.path.dirname(__file__), "any_backend"))
-        if name.startswith("test_") and name != "test_versions.py"
+        name
+        for name in os.listdir(os.path.dirname(os.path.abspath(__file__)))
+        if (name.startswith("test_") and name.endswith(".py") or name == "keras_suite")
+        and name not in CONTRACT
     ]
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "backends(*names, reason): the test runs on the named Keras backends only "
+        "and is deselected (not skipped) on the others; `reason` says why",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    selected, deselected = [], []
+    for item in items:
+        marker = item.get_closest_marker("backends")
+        if marker is None:
+            selected.append(item)
+            continue
+        unknown = set(marker.args) - set(BACKENDS)
+        if not marker.args or unknown or not marker.kwargs.get("reason"):
+            raise pytest.UsageError(
+                f"{item.nodeid}: `backends` takes backend names among {BACKENDS} and a "
+                f"`reason`. Received: args={marker.args}, kwargs={marker.kwargs}"
+            )
+        (selected if BACKEND in marker.args else deselected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
 
 
 def keras_histogram_tag(path):
@@ -57,11 +102,33 @@ MODES = {
     "graph": dict(jit_compile=False),
     "jit": dict(jit_compile=True),
 }
-if keras.backend.backend() in ("jax", "torch"):
+if BACKEND in ("jax", "torch"):
     # Keras's JAX and PyTorch trainers (and their keepers) run
     # `run_eagerly=True` and `jit_compile=False` alike, uncompiled; "jit"
     # runs the step under `jax.jit` or `torch.compile`.
     del MODES["graph"]
+
+
+def modes(*names):
+    """Those of the `MODES` `names` this backend has: a test that
+    parametrizes over a few modes by name runs the ones that exist here."""
+    return [name for name in names if name in MODES]
+
+
+def no_warning_on_jax(category, match):
+    """`pytest.warns(category, match=match)` for a warning of Keras's
+    TensorFlow and PyTorch trainers that its JAX trainer does not give
+    (no trainable weights; a None gradient, where `jax.grad` gives zeros)."""
+    if BACKEND == "jax":
+        return contextlib.nullcontext()
+    return pytest.warns(category, match=match)
+
+
+def without_numpy_array_warnings(caught):
+    """The warnings of `caught` but NumPy 2's about torch's `__array__`, which
+    Keras's PyTorch `convert_to_numpy` gives at every batch's logs (ignored
+    in pyproject.toml, yet recorded where a test records every warning)."""
+    return [w for w in caught if "__array__ implementation" not in str(w.message)]
 
 
 @pytest.fixture(autouse=True)
@@ -187,6 +254,33 @@ class LateBuilt(kg.KeepGradModel):
             return self._apply_and_measure(grads, variables, x, y, y_pred, loss.detach())
 
 
+@keras.saving.register_keras_serializable(package="keras_keepgrad_tests")
+class UpdatesByHand(kg.KeepGradModel):
+    """Halves w by hand, without an optimizer or `keep_step_gradients`,
+    then updates the compiled metrics: a step that keeps nothing. Written
+    for the backend (JAX's step is stateless)."""
+
+    def train_step(self, *args):
+        if keras.backend.backend() == "jax":
+            return self._jax_step(*args)
+        (data,) = args
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        for variable in self.trainable_variables:
+            variable.assign(0.5 * keras.ops.convert_to_numpy(variable))
+        return self.compute_metrics(x, y, self(x))
+
+    def _jax_step(self, state, data):
+        trainable, non_trainable, optimizer_values, metrics_values = state
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred, _ = self.stateless_call(trainable, non_trainable, x)
+        mapping = list(zip(self.metrics_variables, metrics_values))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            logs = self.compute_metrics(x, y, y_pred)
+        metrics_values = [scope.get_current_value(v) for v in self.metrics_variables]
+        trainable = [0.5 * value for value in trainable]
+        return logs, (trainable, non_trainable, optimizer_values, metrics_values)
+
+
 class Recorder(keras.callbacks.Callback):
     """Records the kept gradients after each training batch.
 
@@ -218,7 +312,12 @@ class Recorder(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         found = self._kernel()
         self.seen.append(None if found is None else float(found[0, 0]))
-        self.grads.append({p: np.asarray(t) for p, t in self.model.get_gradients_by_path().items()})
+        self.grads.append(
+            {
+                p: keras.ops.convert_to_numpy(t)
+                for p, t in self.model.get_gradients_by_path().items()
+            }
+        )
         self.batches.append((self._epoch, batch))
 
 

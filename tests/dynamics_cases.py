@@ -1,7 +1,6 @@
 """The training-dynamics metrics' cases that are the same on every backend.
 
-`test_dynamics.py` runs them on TensorFlow, `any_backend/test_any_backend.py`
-on JAX and PyTorch: each case is written once, with the same exact numbers.
+`test_dynamics.py` runs them on every backend, with the same exact numbers.
 
 The one-weight model (conftest.py): w = 3, mse, so the gradient of one
 example x is 2 w x^2: 6 for x = 1, 24 for x = 2, 54 for x = 3. With

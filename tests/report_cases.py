@@ -1,11 +1,11 @@
 """`GradientReport` and `GradientMonitor` states on the one-weight model.
 
-Shared by `tests/callbacks/` (TensorFlow) and `tests/any_backend/` (JAX,
-PyTorch). The one-weight model of `conftest.py`: w = 3, mse, a batch
-c * [[1], [2]] with y = 0 has the gradient 2 w c^2 (1 + 4) / 2 = 15 c^2,
-so c = 1 gives 15, c = 1e-4 gives 1.5e-7 (below VANISHING_THRESHOLD, 1e-5)
-and c = 100 gives 1.5e5 (above EXPLODING_THRESHOLD, 1e3). With SGD(0.1) and
-c = 1 the gradients of three steps are 15, 7.5 and 3.75 (w = 3, 1.5, 0.75).
+Run by `tests/callbacks/test_report.py` on every backend. The one-weight
+model of `conftest.py`: w = 3, mse, a batch c * [[1], [2]] with y = 0 has
+the gradient 2 w c^2 (1 + 4) / 2 = 15 c^2, so c = 1 gives 15, c = 1e-4
+gives 1.5e-7 (below VANISHING_THRESHOLD, 1e-5) and c = 100 gives 1.5e5
+(above EXPLODING_THRESHOLD, 1e3). With SGD(0.1) and c = 1 the gradients of
+three steps are 15, 7.5 and 3.75 (w = 3, 1.5, 0.75).
 """
 
 import warnings

@@ -1,8 +1,7 @@
 """`skip_bad_steps` cases shared by every backend.
 
-`tests/test_skipping.py` runs them on TensorFlow, and
-`tests/any_backend/test_skipping.py` on JAX and PyTorch, in each
-compilation mode (`conftest.MODES`).
+`tests/test_skipping.py` runs them on every backend, in each compilation
+mode (`conftest.MODES`).
 
 The hand model: one bias-free Dense(1) with w = 3, y = 0, mse. A batch
 x = [[p], [q]] gives loss = mean((w x)^2), so d/dw = w (p^2 + q^2): 15 for

@@ -1,9 +1,8 @@
 """The per-step statistics the callbacks read, on every backend.
 
-`tests/test_stats.py` (TensorFlow) and `tests/any_backend` (JAX, PyTorch)
-run these cases: on each, the callbacks' norms come from the statistics
-the training step computed (`_stats.read`), never from the kept
-gradients, except on a non-finite step.
+`tests/test_stats.py` runs these cases on every backend: on each, the
+callbacks' norms come from the statistics the training step computed
+(`_stats.read`), never from the kept gradients, except on a non-finite step.
 
 The two-layer model: x -> Dense(1, w_a = 1.5) -> Dense(1, w_b = 2), no
 biases, x = [[1], [2]], y = 0, mse, SGD(0.0) (every step the same). With

@@ -1,11 +1,13 @@
-"""The suite's JAX and PyTorch parts, run from the TensorFlow run of the
+"""The suite's JAX and PyTorch runs, started from the TensorFlow run of the
 suite, and the tutorials and demo on every backend.
 
-`any_backend/` holds the backend-neutral cases (every gradient metric,
-mixed precision, `keep_every`, saving, callbacks), `jax_backend/` and
-`torch_backend/` what is each backend's own (the hand model's exact
-gradients against `jax.grad` / `torch.autograd.grad`, a `train_step` in
-that backend's style, distribution on JAX, the held `.grad` tensors on
+The contract's test modules (`conftest.CONTRACT`: what is kept, metrics,
+callbacks, saving, your own `train_step`, dynamics, skipping, statistics,
+the report) are the same test functions on every backend: each run collects
+them, and deselects the tests marked `@pytest.mark.backends(...)` for other
+backends. `jax_backend/` and `torch_backend/` add what is each backend's own
+(the hand model's exact gradients against `jax.grad` /
+`torch.autograd.grad`, distribution on JAX, the held `.grad` tensors on
 PyTorch). One pytest process can only have one Keras backend, so each runs
 in a subprocess: `KERAS_BACKEND=jax` with two host CPU devices (for
 `DataParallel` and `ModelParallel`), and `KERAS_BACKEND=torch`.
@@ -18,6 +20,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import CONTRACT
 from conftest import REPO
 from conftest import pages
 from conftest import python_env
@@ -26,17 +29,9 @@ from conftest import tensorflow_script_output
 
 
 def _run_suite(backend, **env):
+    paths = [f"tests/{name}" for name in CONTRACT] + [f"tests/{backend}_backend"]
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            f"tests/{backend}_backend",
-            "tests/any_backend",
-        ],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
         cwd=REPO,
         env=python_env(KERAS_BACKEND=backend, **env),
         capture_output=True,
@@ -44,7 +39,8 @@ def _run_suite(backend, **env):
         timeout=1800,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    # Every case ran: none skipped (on JAX, for want of the two devices).
+    # Every case ran: none skipped (on JAX, for want of the two devices), and
+    # the backend-only tests were deselected, not skipped.
     assert " passed" in result.stdout and "skipped" not in result.stdout
 
 

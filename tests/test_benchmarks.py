@@ -290,20 +290,27 @@ def test_metrics_smoke_times_every_variant_against_the_reference(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "mirrored, floors",
+    "backend, mirrored, floors",
     [
-        (False, ["floor_window", "floor_window", "floor_dot", "floor_dot"]),
-        (True, ["floor_replicas", "floor_replicas", "floor_dot", "floor_dot"]),
+        ("tensorflow", False, ["floor_window", "floor_window", "floor_dot", "floor_dot"]),
+        ("tensorflow", True, ["floor_replicas", "floor_replicas", "floor_dot", "floor_dot"]),
+        # Whole `fit` calls of 4 steps (one window), the floors' buffers
+        # threaded through JAX's stateless step.
+        ("jax", False, ["floor_window", "floor_window", "floor_dot", "floor_dot"]),
     ],
 )
-def test_dynamics_smoke_times_each_statistic_beside_its_floor(tmp_path, mirrored, floors):
-    args = ["dynamics", "--smoke"] + (["--mirrored"] if mirrored else [])
+def test_dynamics_smoke_times_each_statistic_beside_its_floor(tmp_path, backend, mirrored, floors):
+    args = ["dynamics", "--smoke", "--backend", backend] + (["--mirrored"] if mirrored else [])
     proc, result = run_benchmark(tmp_path, *args)
+    assert result["backend"] == backend
     (config,) = result["configs"]
     variants = ["reference", "control", "grad_norm", "noise_scale", "snr", "cosine"]
     variants += ["cosine_per_layer", "floor_window", "floor_dot"]
     _check_summary(config, variants + (["floor_replicas"] if mirrored else []))
     assert config["replicas"] == (2 if mirrored else 1)
+    assert config["jit_compile"] == ("auto" if backend == "jax" else False)
+    if backend == "jax":
+        assert config["steps"] == 4
     statistics = ("noise_scale", "snr", "cosine", "cosine_per_layer")
     for statistic, floor in zip(statistics, floors):
         assert f"{statistic} - {floor}" in config["wall"]["pairs"]

@@ -17,6 +17,8 @@ from conftest import X
 from conftest import Y
 from conftest import dense_0
 from conftest import keras_histogram_tag
+from conftest import modes
+from conftest import no_warning_on_jax
 from conftest import one_weight
 
 import keras_keepgrad as kg
@@ -28,11 +30,18 @@ def kernel(model, name="dense_0"):
 
 
 def mse_gradients(model, x, y, variables=None):
-    """`(loss, variables, grads)`: mean((model(x) - y)^2) and its tape
-    gradients for `variables` (the trainable ones by default)."""
+    """`(loss, variables, grads)`: mean((model(x) - y)^2) and its gradients
+    for `variables` (the trainable ones by default), from a TensorFlow tape
+    or PyTorch's autograd: a stateful step's (JAX's steps are stateless)."""
+    variables = model.trainable_variables if variables is None else variables
+    if keras.backend.backend() == "torch":
+        import torch
+
+        loss = torch.mean((model(x) - y) ** 2)
+        grads = torch.autograd.grad(loss, [v.value for v in variables], allow_unused=True)
+        return loss.detach(), variables, list(grads)
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean((model(x) - y) ** 2)
-    variables = model.trainable_variables if variables is None else variables
     return loss, variables, tape.gradient(loss, variables)
 
 
@@ -68,6 +77,7 @@ def guide_model(cls=GuideStep, dtype=None):
     return cls(inputs, dense_0(dtype=dtype)(inputs))
 
 
+@pytest.mark.backends("tensorflow", reason="a train_step written with tf.GradientTape")
 @pytest.mark.parametrize("optimizer", ["sgd", "loss_scale"])
 def test_the_guides_own_step_keeps_5w(mode, optimizer):
     model = guide_model()
@@ -85,7 +95,7 @@ def test_the_guides_own_step_keeps_5w(mode, optimizer):
     assert kernel(model) == 7.5
     w = float(model.get_weights()[0][0, 0])
     assert w == 0.75  # 1.5 - 0.1 * 7.5: what the optimizer received, 7.5
-    assert model.gradient_dtypes == {"dense_0/kernel": tf.float32}
+    assert model.gradient_dtypes == {"dense_0/kernel": "float32"}
 
 
 class GuideSteps:
@@ -104,6 +114,7 @@ class MixedInSteps(GuideSteps, kg.KeepGradModel):
     pass
 
 
+@pytest.mark.backends("tensorflow", reason="a train_step written with tf.GradientTape")
 def test_steps_from_a_mixin_keep_and_evaluate_as_the_classs_own():
     model = guide_model(MixedInSteps)
     model.compile(
@@ -123,6 +134,7 @@ def test_steps_from_a_mixin_keep_and_evaluate_as_the_classs_own():
     assert result == {"loss": 5.625}
 
 
+@pytest.mark.backends("tensorflow", reason="a train_step written with tf.GradientTape")
 def test_the_guides_step_under_mixed_float16_keeps_unscaled_float32():
     keras.config.set_dtype_policy("mixed_float16")
     model = guide_model()
@@ -132,7 +144,7 @@ def test_the_guides_step_under_mixed_float16_keeps_unscaled_float32():
     model.compile(optimizer=optimizer, loss="mse")
     model.fit(X, Y, batch_size=2, verbose=0)
     # float16 gradients divided by the float32 dynamic scale are float32.
-    assert model.gradient_dtypes == {"dense_0/kernel": tf.float32}
+    assert model.gradient_dtypes == {"dense_0/kernel": "float32"}
     assert kernel(model) == 15.0
 
 
@@ -204,6 +216,7 @@ class OneWeightGAN(kg.KeepGradModel):
         return {"d_loss": d_loss, "g_loss": g_loss}
 
 
+@pytest.mark.backends("tensorflow", reason="a train_step written with tf.GradientTape")
 @pytest.mark.parametrize("penalty", [0.0, 1.0])
 def test_a_gan_keeps_what_each_of_its_optimizers_receives(mode, penalty):
     gan = OneWeightGAN(penalty=penalty)
@@ -217,12 +230,12 @@ def test_a_gan_keeps_what_each_of_its_optimizers_receives(mode, penalty):
     # D: mean(2 (d x - 1) x) + mean(2 d (g z)^2) = 2 mean(2, 10) + 6 * 4 = 36.
     # The penalty: every slope is |d| = 3, so (3 - 1)^2 and d/dd 2 (3 - 1) = 4.
     d_grad = 36.0 + 4.0 * penalty
-    assert gan.gradients["discriminator"]["d"]["kernel"].numpy() == [[d_grad]]
+    assert keras.ops.convert_to_numpy(gan.gradients["discriminator"]["d"]["kernel"]) == [[d_grad]]
     d_new = 3.0 - 0.03125 * d_grad  # 1.875, or 1.75 with the penalty
     assert float(gan.discriminator.get_weights()[0][0, 0]) == d_new
     # G, against the updated D: 2 (d' g - 1) d' at g = 2.
     g_grad = 2.0 * (2.0 * d_new - 1.0) * d_new  # 10.3125, or 8.75
-    assert gan.gradients["generator"]["g"]["kernel"].numpy() == [[g_grad]]
+    assert keras.ops.convert_to_numpy(gan.gradients["generator"]["g"]["kernel"]) == [[g_grad]]
     assert float(gan.generator.get_weights()[0][0, 0]) == 2.0 - 0.5 * g_grad
     # One `model.gradients` for both optimizers, nothing else in it.
     assert sorted(gan.get_gradients_by_path()) == ["discriminator/d/kernel", "generator/g/kernel"]
@@ -233,6 +246,7 @@ def key_tree(nested):
     return {k: key_tree(v) if isinstance(v, dict) else None for k, v in nested.items()}
 
 
+@pytest.mark.backends("tensorflow", reason="a train_step written with tf.GradientTape")
 @pytest.mark.parametrize("kind", ["functional", "sequential", "subclassed"])
 def test_get_gradients_of_tells_a_gans_sub_models_apart(kind):
     gan = OneWeightGAN(kind=kind)
@@ -254,8 +268,12 @@ def test_get_gradients_of_tells_a_gans_sub_models_apart(kind):
     # As in the test above without the penalty: D receives 36, G 10.3125.
     d_grads = gan.get_gradients_of(gan.discriminator)
     g_grads = gan.get_gradients_of(gan.generator)
-    assert {p: g.numpy().tolist() for p, g in d_grads.items()} == {d_path: [[36.0]]}
-    assert {p: g.numpy().tolist() for p, g in g_grads.items()} == {g_path: [[10.3125]]}
+    assert {p: keras.ops.convert_to_numpy(g).tolist() for p, g in d_grads.items()} == {
+        d_path: [[36.0]]
+    }
+    assert {p: keras.ops.convert_to_numpy(g).tolist() for p, g in g_grads.items()} == {
+        g_path: [[10.3125]]
+    }
     # A layer inside a sub-model, and the model itself.
     d_layer = gan.discriminator.layers[-1]
     assert list(gan.get_gradients_of(d_layer)) == [d_path]
@@ -263,6 +281,108 @@ def test_get_gradients_of_tells_a_gans_sub_models_apart(kind):
         d_path: 36.0,
         g_path: 10.3125,
     }
+
+
+def functional(name, layer, w):
+    """A functional sub-model `name` of one bias-free Dense(1) `layer` = w."""
+    inputs = keras.Input((1,))
+    return keras.Model(inputs, dense_0(name=layer, w=w)(inputs), name=name)
+
+
+class TwoOptimizers(kg.KeepGradModel):
+    """D(G(x)) with two functional sub-models, each updated by its own SGD
+    in a step of the backend's own kind."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.generator = functional("generator", "g", 3.0)
+        self.discriminator = functional("discriminator", "d", 1.0)
+        self.g_optimizer = keras.optimizers.SGD(0.1)
+        self.d_optimizer = keras.optimizers.SGD(0.0625)
+
+    def call(self, x):
+        return self.discriminator(self.generator(x))
+
+    def pairs(self):
+        return [(self.g_optimizer, self.generator), (self.d_optimizer, self.discriminator)]
+
+    def train_step(self, *args):
+        backend = keras.backend.backend()
+        if backend == "jax":
+            return self._jax_step(*args)
+        if backend == "torch":
+            return self._torch_step(*args)
+        x, y = args[0]
+        loss, _, grads = mse_gradients(self, x, y)
+        self._apply(grads)
+        return {"loss": loss}
+
+    def _apply(self, grads):
+        position = {id(v): i for i, v in enumerate(self.trainable_variables)}
+        for optimizer, sub in self.pairs():
+            variables = sub.trainable_variables
+            optimizer.apply([grads[position[id(v)]] for v in variables], variables)
+
+    def _torch_step(self, data):
+        import torch
+
+        x, y = data
+        self.zero_grad()
+        loss = torch.mean((self(x) - y) ** 2)
+        loss.backward()
+        with torch.no_grad():
+            self._apply([v.value.grad for v in self.trainable_variables])
+        return {"loss": loss.detach()}
+
+    def _jax_step(self, state, data):
+        import jax
+        import jax.numpy as jnp
+
+        trainable, non_trainable, optimizer_vars, metrics_vars = state
+        x, y = data
+
+        def loss_fn(trainable):
+            y_pred, _ = self.stateless_call(trainable, non_trainable, x)
+            return jnp.mean((y_pred - y) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(trainable)
+        trainable = list(trainable)
+        position = {id(v): i for i, v in enumerate(self.trainable_variables)}
+        # SGD without momentum: no optimizer state to thread through.
+        for optimizer, sub in self.pairs():
+            at = [position[id(v)] for v in sub.trainable_variables]
+            values, _ = optimizer.stateless_apply(
+                [v.value for v in optimizer.variables],
+                [grads[i] for i in at],
+                [trainable[i] for i in at],
+            )
+            for i, value in zip(at, values):
+                trainable[i] = value
+        return {"loss": loss}, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+
+def test_get_gradients_of_two_functional_sub_models():
+    gan = TwoOptimizers(name="gan")
+    gan(X)
+    for optimizer, sub in gan.pairs():
+        optimizer.build(sub.trainable_variables)
+    gan.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    gan.fit(X, Y, batch_size=2, verbose=0)
+    # Functional sub-models add no level: their layers are at the top level,
+    # as in Keras's own state tree.
+    state = gan.get_state_tree()["trainable_variables"]
+    assert {k: list(v) for k, v in gan.gradients.items()} == {"g": ["kernel"], "d": ["kernel"]}
+    assert {k: list(v) for k, v in state.items()} == {"g": ["kernel"], "d": ["kernel"]}
+    # loss = mean((d g x)^2): d/dg = 5 g d^2 = 15, d/dd = 5 d g^2 = 45.
+    g_grads = gan.get_gradients_of(gan.generator)
+    d_grads = gan.get_gradients_of(gan.discriminator)
+    assert {p: float(g[0, 0]) for p, g in g_grads.items()} == {"g/kernel": 15.0}
+    assert {p: float(g[0, 0]) for p, g in d_grads.items()} == {"d/kernel": 45.0}
+    # Each optimizer applied its own: 3 - 0.1 * 15 and 1 - 45 / 16.
+    assert float(gan.generator.get_weights()[0][0, 0]) == 1.5
+    assert float(gan.discriminator.get_weights()[0][0, 0]) == -1.8125
+    with pytest.raises(ValueError, match="'other' is not a layer of model 'gan'"):
+        gan.get_gradients_of(functional("other", "o", 1.0))
 
 
 def test_get_gradients_of_a_wrapped_models_layer():
@@ -276,6 +396,9 @@ def test_get_gradients_of_a_wrapped_models_layer():
         }
 
 
+@pytest.mark.backends(
+    "tensorflow", "torch", reason="a stateful train_step (mse_gradients); JAX's steps are stateless"
+)
 def test_get_gradients_of_refuses_what_it_cannot_answer():
     model = head_only()
     with pytest.warns(UserWarning, match="to any optimizer"):
@@ -310,6 +433,7 @@ def test_get_gradients_of_refuses_what_it_cannot_answer():
             model.get_gradients_of(layer)
 
 
+@pytest.mark.backends("tensorflow", reason="a train_step written with tf.GradientTape")
 def test_a_gans_gradients_reach_the_callbacks_and_agree_with_a_tape(tmp_path):
     gan = OneWeightGAN(penalty=1.0)
     gan.compile(d_optimizer=keras.optimizers.SGD(0.03125), g_optimizer=keras.optimizers.SGD(0.5))
@@ -355,7 +479,18 @@ class VAEStep(kg.KeepGradModel):
         return {"loss": loss}
 
 
-@pytest.mark.parametrize("own_step", [False, True])
+@pytest.mark.parametrize(
+    "own_step",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.backends(
+                "tensorflow", reason="a train_step written with tf.GradientTape"
+            ),
+        ),
+    ],
+)
 def test_add_loss_terms_are_in_the_kept_gradient(own_step):
     inputs = keras.Input((1,))
     outputs = AddLossDense(name="dense_0")(inputs)
@@ -390,6 +525,9 @@ def hand_update(keep=True):
     return HandUpdate(inputs, dense_0()(inputs), keep=keep)
 
 
+@pytest.mark.backends(
+    "tensorflow", "torch", reason="a stateful train_step (mse_gradients); JAX's steps are stateless"
+)
 def test_keep_step_gradients_keeps_an_update_without_an_optimizer(mode):
     model = hand_update()
     model.compile(loss="mse", **mode)
@@ -402,14 +540,17 @@ def test_keep_step_gradients_outside_a_training_step_raises():
     model = hand_update()
     variables = model.trainable_variables
     with pytest.raises(RuntimeError, match="call it from its `train_step`"):
-        model.keep_step_gradients([tf.ones((1, 1))], variables)
+        model.keep_step_gradients([np.ones((1, 1), "float32")], variables)
     with pytest.raises(RuntimeError, match="does not keep gradients"):
         inputs = keras.Input((1,))
         HandUpdate(inputs, dense_0()(inputs), keep_gradients=False).keep_step_gradients(
-            [tf.ones((1, 1))], variables
+            [np.ones((1, 1), "float32")], variables
         )
 
 
+@pytest.mark.backends(
+    "tensorflow", "torch", reason="a stateful train_step (mse_gradients); JAX's steps are stateless"
+)
 def test_a_step_that_keeps_nothing_says_so_everywhere(tmp_path):
     model = hand_update(keep=False)
     model.compile(loss="mse")
@@ -423,7 +564,8 @@ def test_a_step_that_keeps_nothing_says_so_everywhere(tmp_path):
             shuffle=False,
             callbacks=[snapshot],
         )
-    assert len(seen) == 1  # once, not at every step
+    # Once, not at every step.
+    assert len([w for w in seen if "passed no gradients" in str(w.message)]) == 1
     assert list(tmp_path.iterdir()) == []  # no file of placeholders
     with pytest.raises(RuntimeError, match="keep_step_gradients"):
         model.gradients
@@ -431,6 +573,9 @@ def test_a_step_that_keeps_nothing_says_so_everywhere(tmp_path):
     assert float(model.get_weights()[0][0, 0]) == 0.75
 
 
+@pytest.mark.backends(
+    "tensorflow", "torch", reason="a stateful train_step (mse_gradients); JAX's steps are stateless"
+)
 def test_tensorboard_and_the_monitor_write_nothing_for_a_step_that_keeps_nothing(tmp_path):
     from tensorboard.backend.event_processing import event_accumulator
 
@@ -462,6 +607,9 @@ def test_tensorboard_and_the_monitor_write_nothing_for_a_step_that_keeps_nothing
     )
 
 
+@pytest.mark.backends(
+    "tensorflow", "torch", reason="a stateful train_step (mse_gradients); JAX's steps are stateless"
+)
 def test_a_gradient_metric_in_a_step_that_keeps_nothing_raises():
     # The compiled metrics are updated without any kept gradient.
     class Updating(HandUpdate):
@@ -506,6 +654,7 @@ class ConditionalApply(kg.KeepGradModel):
         return {"loss": loss}
 
 
+@pytest.mark.backends("tensorflow", reason="tf.cond, tf.while_loop and tf.function in a step")
 @pytest.mark.parametrize("kind, run_eagerly", [("cond", False), ("loop", False), ("helper", True)])
 def test_an_optimizer_applied_under_traced_control_flow_is_refused(kind, run_eagerly):
     # "helper": an eager step whose `tf.function` holds the condition.
@@ -519,6 +668,7 @@ def test_an_optimizer_applied_under_traced_control_flow_is_refused(kind, run_eag
     np.testing.assert_array_equal(model.get_weights()[0], [[3.0]])  # no step ran
 
 
+@pytest.mark.backends("tensorflow", reason="tf.cond in a step")
 def test_a_conditional_apply_run_eagerly_keeps_the_steps_that_apply():
     inputs = keras.Input((1,))
     model = ConditionalApply(inputs, dense_0()(inputs))
@@ -559,6 +709,9 @@ def head_only(**options):
     return model
 
 
+@pytest.mark.backends(
+    "tensorflow", "torch", reason="a stateful train_step (mse_gradients); JAX's steps are stateless"
+)
 def test_variables_no_optimizer_receives_are_absent_with_a_warning():
     model = head_only()
     with pytest.warns(UserWarning, match=r"\['body/kernel'\] to any optimizer"):
@@ -568,6 +721,9 @@ def test_variables_no_optimizer_receives_are_absent_with_a_warning():
     assert kernel(model, "head") == 15.0
 
 
+@pytest.mark.backends(
+    "tensorflow", "torch", reason="a stateful train_step (mse_gradients); JAX's steps are stateless"
+)
 def test_a_partly_kept_step_reaches_tensorboard_and_the_monitor(tmp_path):
     from tensorboard.backend.event_processing import event_accumulator
     from tensorboard.plugins.custom_scalar import layout_pb2
@@ -617,12 +773,15 @@ class Alternating(kg.KeepGradModel):
     def train_step(self, data):
         x, y = data
         loss, variables, grads = mse_gradients(self, x, y)
-        both = int(self.optimizer.iterations.numpy()) == 0
+        both = int(keras.ops.convert_to_numpy(self.optimizer.iterations)) == 0
         pick = [i for i, v in enumerate(variables) if both or v.path.startswith("a/")]
         self.optimizer.apply([grads[i] for i in pick], [variables[i] for i in pick])
         return {"loss": loss}
 
 
+@pytest.mark.backends(
+    "tensorflow", "torch", reason="a stateful train_step (mse_gradients); JAX's steps are stateless"
+)
 def test_steps_that_keep_different_layers_reach_tensorboard_each_as_kept(tmp_path):
     from tensorboard.backend.event_processing import event_accumulator
 
@@ -658,6 +817,9 @@ def test_steps_that_keep_different_layers_reach_tensorboard_each_as_kept(tmp_pat
     assert len(acc.Tensors("gradients/heatmap")) == 1  # drawn, of the steps since the change
 
 
+@pytest.mark.backends(
+    "tensorflow", "torch", reason="a stateful train_step (mse_gradients); JAX's steps are stateless"
+)
 def test_a_partly_kept_step_saves_its_gradients_by_variable_position(tmp_path):
     model = head_only(save_gradients=True)
     with pytest.warns(UserWarning, match="to any optimizer"):
@@ -702,8 +864,8 @@ def test_a_none_gradient_an_optimizer_receives_is_kept_as_zeros():
 
 def test_nested_train_step_calls_are_one_step():
     class Calling(kg.KeepGradModel):
-        def train_step(self, data):
-            return super().train_step(data)
+        def train_step(self, *args):
+            return super().train_step(*args)
 
     inputs = keras.Input((1,))
     model = Calling(inputs, dense_0()(inputs), keep_every=2)
@@ -713,36 +875,64 @@ def test_nested_train_step_calls_are_one_step():
     assert kernel(model) == 3.75
 
 
-def out_model(w):
-    """`Input((1,)) -> Dense(1, name="out")` with kernel `w`, bias 0. A
+def out_model(w, name="out"):
+    """`Input((1,)) -> Dense(1, name=name)` with kernel `w`, bias 0. A
     functional model's layers are built before it, so the paths are
     "out/kernel" and "out/bias" whatever the model's name."""
     inputs = keras.Input((1,))
-    out = keras.layers.Dense(1, name="out", kernel_initializer=keras.initializers.Constant(w))
+    out = keras.layers.Dense(1, name=name, kernel_initializer=keras.initializers.Constant(w))
     return keras.Model(inputs, out(inputs))
 
 
 class TwoOuts(kg.KeepGradModel):
-    """Two sub-models whose layers are both named "out". `update`: "keras"
-    (Keras's step), "one" optimizer for both, "two" (an SGD each), "keep"
-    (by hand, through `keep_step_gradients`)."""
+    """Two sub-models with layers named `names`. `update`: "keras" (Keras's
+    step), "one" optimizer for both, "two" (an SGD each), "keep" (by hand,
+    through `keep_step_gradients`), in a step of the backend's own kind.
 
-    def __init__(self, update, **kwargs):
+    y = w1 (w0 x + b0) + b1 with w0 = 3, w1 = 1, biases 0: the gradients
+    are 5 w0 w1^2 = 15 and 5 w1 w0^2 = 45 for the kernels, 2 mean(3x) = 9
+    for either bias."""
+
+    def __init__(self, update, names=("out", "out"), **kwargs):
         super().__init__(**kwargs)
         self.update = update
-        self.first = out_model(3.0)
-        self.second = out_model(1.0)
+        self.first = out_model(3.0, names[0])
+        self.second = out_model(1.0, names[1])
         self.opt_a = keras.optimizers.SGD(0.1)
         self.opt_b = keras.optimizers.SGD(0.1)
 
     def call(self, x):
         return self.second(self.first(x))
 
-    def train_step(self, data):
+    def train_step(self, *args):
         if self.update == "keras":
-            return super().train_step(data)
+            return super().train_step(*args)
+        backend = keras.backend.backend()
+        if backend == "jax":
+            return self._jax_step(*args)
+        if backend == "torch":
+            return self._torch_step(*args)
+        return self._tf_step(*args)
+
+    def _tf_step(self, data):
         x, y = data
         loss, variables, grads = mse_gradients(self, x, y)
+        self._update(grads, variables)
+        return {"loss": loss}
+
+    def _torch_step(self, data):
+        import torch
+
+        x, y = data
+        self.zero_grad()
+        loss = torch.mean((self(x) - y) ** 2)
+        loss.backward()
+        variables = self.trainable_variables
+        with torch.no_grad():
+            self._update([v.value.grad for v in variables], variables)
+        return {"loss": loss.detach()}
+
+    def _update(self, grads, variables):
         if self.update == "one":
             self.optimizer.apply(grads, variables)
         elif self.update == "two":
@@ -750,8 +940,45 @@ class TwoOuts(kg.KeepGradModel):
             self.opt_b.apply_gradients(zip(grads[2:], variables[2:]))
         else:
             for variable, grad in zip(variables, self.keep_step_gradients(grads, variables)):
-                variable.assign_sub(0.1 * grad)
-        return {"loss": loss}
+                variable.assign(variable - 0.1 * grad)
+
+    def _jax_step(self, state, data):
+        import jax
+
+        trainable, non_trainable, optimizer_vars, metrics_vars = state
+        x, y = data
+
+        def loss_fn(trainable):
+            y_pred, _ = self.stateless_call(trainable, non_trainable, x)
+            return keras.ops.mean((y_pred - y) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(trainable)
+        if self.update == "one":
+            trainable, optimizer_vars = self.optimizer.stateless_apply(
+                optimizer_vars, grads, trainable
+            )
+        elif self.update == "two":
+            # SGD without momentum: no optimizer state to thread through.
+            halves = []
+            for opt, part in ((self.opt_a, slice(0, 2)), (self.opt_b, slice(2, 4))):
+                values, _ = opt.stateless_apply(
+                    [v.value for v in opt.variables], grads[part], trainable[part]
+                )
+                halves.extend(values)
+            trainable = halves
+        else:
+            grads = self.keep_step_gradients(grads, self.trainable_variables)
+            trainable = [v - 0.1 * g for v, g in zip(trainable, grads)]
+        return {"loss": loss}, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+
+def two_outs(update, names=("out", "out"), **compile_kwargs):
+    model = TwoOuts(update, names)
+    model(X)
+    model.opt_a.build(model.first.trainable_variables)
+    model.opt_b.build(model.second.trainable_variables)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **compile_kwargs)
+    return model
 
 
 SHARED_OUT = r"share the paths 'out/bias', 'out/kernel': one .* distinct `name`s"
@@ -759,17 +986,25 @@ SHARED_OUT = r"share the paths 'out/bias', 'out/kernel': one .* distinct `name`s
 
 @pytest.mark.parametrize("update", ["keras", "one", "two", "keep"])
 def test_variables_sharing_a_path_raise_before_anything_changes(mode, update):
-    model = TwoOuts(update)
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
+    model = two_outs(update, **mode)
     with pytest.raises(ValueError, match=SHARED_OUT):
         model.fit(X, Y, batch_size=2, verbose=0)
     # Kernels 3 and 1, biases 0: nothing was updated.
     assert [w.tolist() for w in model.get_weights()] == [[[3.0]], [0.0], [[1.0]], [0.0]]
     optimizers = [model.optimizer, model.opt_a, model.opt_b]
-    assert [int(o.iterations) for o in optimizers] == [0, 0, 0]
+    assert [int(keras.ops.convert_to_numpy(o.iterations)) for o in optimizers] == [0, 0, 0]
+
+    # With distinct names the same step keeps all four gradients.
+    model = two_outs(update, names=("a", "b"), **mode)
+    model.fit(X, Y, batch_size=2, verbose=0)
+    kept = {path: np.asarray(g).tolist() for path, g in model.get_gradients_by_path().items()}
+    assert kept == {"a/kernel": [[15.0]], "a/bias": [9.0], "b/kernel": [[45.0]], "b/bias": [9.0]}
 
 
-@pytest.mark.parametrize("mode", ["graph", "jit"])
+@pytest.mark.backends(
+    "tensorflow", "torch", reason="a stateful train_step (mse_gradients); JAX's steps are stateless"
+)
+@pytest.mark.parametrize("mode", modes("graph", "jit"))
 def test_paths_that_collide_across_two_optimizers_raise(mode):
     # The second sub-model is not an attribute, so not the model's: its
     # paths meet the first's only at its optimizer. A compiled step raises
@@ -805,6 +1040,7 @@ def test_paths_that_collide_across_two_optimizers_raise(mode):
 # --- what plain Keras trains, KeepGradModel trains alike --------------------
 
 
+@pytest.mark.backends("tensorflow", reason="tf.distribute.MirroredStrategy")
 def test_fit_inside_the_strategy_scope():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
     with strategy.scope():
@@ -899,7 +1135,7 @@ def test_nothing_trainable_logs_the_real_loss():
             loss="mse",
             metrics=[kg.metrics.GradientNorm()] if cls is not keras.Model else [],
         )
-        with pytest.warns(UserWarning, match="does not have any trainable weights"):
+        with no_warning_on_jax(UserWarning, match="does not have any trainable weights"):
             history = model.fit(X, Y, batch_size=2, verbose=0)
         losses.append(history.history["loss"])
     # mean((3 x)^2) = 9 * 2.5.
@@ -923,6 +1159,7 @@ def test_an_optimizer_class_defined_later_is_kept_once_at_its_own_apply():
     assert float(model.get_weights()[0][0, 0]) == 3.0 - 0.1 * 7.5
 
 
+@pytest.mark.backends("tensorflow", reason="a train_step written with tf.GradientTape")
 def test_a_gans_gradients_reach_tensorboard_and_the_monitor(tmp_path):
     from tensorboard.backend.event_processing import event_accumulator
 

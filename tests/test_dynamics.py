@@ -112,6 +112,7 @@ class StepWithoutBatch(kg.KeepGradModel):
         return {"loss": loss}
 
 
+@pytest.mark.backends("tensorflow", reason="a train_step written with tf.GradientTape")
 def test_noise_scale_without_y_pred_names_the_fix():
     inputs = keras.Input((1,))
     model = StepWithoutBatch(inputs, keras.layers.Dense(1, name="dense_0")(inputs))
@@ -122,6 +123,7 @@ def test_noise_scale_without_y_pred_names_the_fix():
         model.fit(x, x, batch_size=1, verbose=0)
 
 
+@pytest.mark.backends("tensorflow", reason="a train_step written with tf.GradientTape")
 def test_snr_and_cosine_need_no_batch_size():
     inputs = keras.Input((1,))
     dense = keras.layers.Dense(
@@ -264,6 +266,7 @@ def mirrored():
     return json.loads(lines[-1][len(_MARK) :])
 
 
+@pytest.mark.backends("tensorflow", reason="tf.distribute.MirroredStrategy")
 @pytest.mark.slow
 def test_mirrored_replicas_are_the_small_batches(mirrored):
     assert mirrored["replicas"] == 2
@@ -277,6 +280,7 @@ def test_mirrored_replicas_are_the_small_batches(mirrored):
     assert math.isnan(history["grad_cosine"][0])
 
 
+@pytest.mark.backends("tensorflow", reason="tf.distribute.MirroredStrategy")
 @pytest.mark.slow
 def test_mirrored_cosine_is_of_the_global_gradients(mirrored):
     history = mirrored["cosine"]
@@ -284,6 +288,7 @@ def test_mirrored_cosine_is_of_the_global_gradients(mirrored):
     assert history["cos/b"] == [pytest.approx(1 / 3, rel=1e-6)]
 
 
+@pytest.mark.backends("tensorflow", reason="tf.distribute.MirroredStrategy")
 @pytest.mark.slow
 def test_mirrored_noise_scale_matches_the_closed_form(mirrored):
     assert_closed_form(mirrored["regression"])

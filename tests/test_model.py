@@ -19,10 +19,12 @@ from conftest import MODES
 from conftest import REPO
 from conftest import W0
 from conftest import Recorder
+from conftest import UpdatesByHand
 from conftest import X
 from conftest import Y
 from conftest import dense_0
 from conftest import fit_batches
+from conftest import no_warning_on_jax
 from conftest import one_weight
 
 import keras_keepgrad as kg
@@ -52,7 +54,7 @@ def test_kept_gradient_is_5w_and_the_sgd_step(mode):
     model = one_weight()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
     model.fit(X, Y, batch_size=2, epochs=1, verbose=0, shuffle=False)
-    kept = kernel(model).numpy()
+    kept = keras.ops.convert_to_numpy(kernel(model))
     new_w = model.get_weights()[0]
     np.testing.assert_array_equal(kept, [[5 * W0]])  # 15
     np.testing.assert_array_equal(new_w, [[1.5]])
@@ -105,6 +107,9 @@ def test_train_on_batch_keeps_gradients(mode):
     np.testing.assert_array_equal(kernel(model), [[7.5]])
 
 
+@pytest.mark.backends(
+    "tensorflow", "jax", reason="Keras's PyTorch trainer refuses steps_per_execution > 1"
+)
 def test_steps_per_execution_callbacks_see_the_last_step():
     model = one_weight()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=3)
@@ -133,9 +138,11 @@ def test_structure_equals_state_tree_and_frozen_layer_is_absent():
     model.fit(X, Y, batch_size=2, verbose=0)
     tree = model.get_state_tree()["trainable_variables"]
     grads = model.gradients
-    assert tf.nest.map_structure(lambda _: 0, grads) == tf.nest.map_structure(lambda _: 0, tree)
+    assert keras.tree.map_structure(lambda _: 0, grads) == keras.tree.map_structure(
+        lambda _: 0, tree
+    )
     assert "frozen" not in grads
-    np.testing.assert_array_equal(hidden.kernel.numpy(), [[2.0]])
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(hidden.kernel), [[2.0]])
     # loss = mean((3*2*x)^2) -> d/dw_head = 2*w_head*h^2 mean = 2*3*4*2.5 = 60.
     np.testing.assert_array_equal(grads["head"]["kernel"], [[60.0]])
 
@@ -170,11 +177,16 @@ def test_a_stale_training_function_is_refused_before_its_first_batch(tmp_path):
     np.testing.assert_array_equal(model.get_weights(), weights)
     hidden.trainable = True  # without `compile`: the old training function
     snapshot = kg.callbacks.GradientSnapshot(str(tmp_path / "g{step}.npz"), every=1)
-    with pytest.raises(RuntimeError, match=r"GradientSnapshot .*stale.*\['hidden/kernel'\]"):
+    error, match = RuntimeError, r"GradientSnapshot .*stale.*\['hidden/kernel'\]"
+    if keras.backend.backend() == "torch":
+        # The PyTorch step follows the change, and Keras's optimizer refuses
+        # the variable it was not built with.
+        error, match = ValueError, "Unknown variable.*hidden/kernel"
+    with pytest.raises(error, match=match):
         model.fit(X, Y, batch_size=2, verbose=0, callbacks=[snapshot])
     assert snapshot.files == []
     np.testing.assert_array_equal(model.get_weights(), weights)  # no batch applied
-    assert int(model.optimizer.iterations.numpy()) == 1
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 1
     model.save(tmp_path / "model.keras")
 
 
@@ -194,12 +206,13 @@ def test_variable_the_loss_does_not_reach_keeps_zeros():
 
     model = TwoHeads()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    with pytest.warns(UserWarning, match="Gradients do not exist"):
+    # Keras's optimizer warns of a None gradient; `jax.grad` gives zeros.
+    with no_warning_on_jax(UserWarning, match="Gradients do not exist"):
         model.fit(X, Y, batch_size=2, verbose=0)
     grads = model.gradients["two_heads"]
     np.testing.assert_array_equal(grads["used"]["kernel"], [[15.0]])
     np.testing.assert_array_equal(grads["unused"]["kernel"], [[0.0]])
-    assert grads["unused"]["kernel"].dtype == tf.float32
+    assert keras.backend.standardize_dtype(grads["unused"]["kernel"].dtype) == "float32"
 
 
 # --- loss scaling and mixed precision ------------------------------------
@@ -246,7 +259,7 @@ def test_mixed_precision_policies_end_to_end(policy):
         # skipped steps that keep their non-finite gradients, then 5w.
         assert [np.isfinite(g) for g in rec.seen] == [False, False, False, True]
         assert rec.seen[3] == 15.0
-    assert model.gradient_dtypes == {"dense_0/kernel": tf.float32}
+    assert model.gradient_dtypes == {"dense_0/kernel": "float32"}
 
 
 class RecordingSGD(keras.optimizers.SGD):
@@ -257,7 +270,7 @@ class RecordingSGD(keras.optimizers.SGD):
         self.received = []
 
     def apply(self, grads, trainable_variables=None):
-        self.received.append([tf.as_dtype(g.dtype) for g in grads])
+        self.received.append([keras.backend.standardize_dtype(g.dtype) for g in grads])
         return super().apply(grads, trainable_variables)
 
 
@@ -274,11 +287,14 @@ def test_slot_dtype_is_what_the_inner_optimizer_receives(dtype, loss_scale):
     model.fit(X, Y, batch_size=2, verbose=0, callbacks=[rec])
     received = inner.received[-1][0]
     # float16/bfloat16 gradients divided by the float32 dynamic scale are
-    # float32; without a LossScaleOptimizer they keep the variable's dtype.
-    expected = tf.float32 if loss_scale == "dynamic" else tf.as_dtype(dtype)
+    # float32; without a LossScaleOptimizer they keep the variable's dtype,
+    # as on PyTorch, whose LossScaleOptimizer unscales in the gradients' dtype.
+    expected = dtype
+    if loss_scale == "dynamic" and keras.backend.backend() != "torch":
+        expected = "float32"
     assert received == expected
     assert model.gradient_dtypes["dense_0/kernel"] == expected
-    assert kernel(model).dtype == expected
+    assert keras.backend.standardize_dtype(kernel(model).dtype) == expected
     assert rec.seen == [15.0]
 
 
@@ -294,7 +310,7 @@ def test_step_skipped_by_dynamic_scaling_keeps_its_non_finite_gradients():
     assert [np.isfinite(g) for g in rec.seen] == [False, False, False, True]
     assert rec.seen[3] == 15.0  # the skipped steps left w = 3 unchanged
     np.testing.assert_array_equal(model.get_weights()[0], [[1.5]])
-    assert float(optimizer.dynamic_scale.numpy()) == 4096.0
+    assert float(keras.ops.convert_to_numpy(optimizer.dynamic_scale)) == 4096.0
 
 
 # --- optimizer transformations -------------------------------------------
@@ -359,7 +375,7 @@ def test_overwrite_with_gradient_variables_keep_the_value_written():
 
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss=PlusNineS())
     model.fit(X, Y, batch_size=2, verbose=0)
-    assert float(layer.s.numpy()) == 9.0
+    assert float(keras.ops.convert_to_numpy(layer.s)) == 9.0
     np.testing.assert_array_equal(model.gradients["scaled"]["s"], 9.0)
     np.testing.assert_array_equal(model.gradients["scaled"]["w"], 15.0)
 
@@ -391,18 +407,14 @@ def _embedding_pair(make_optimizer, compile_options, **options):
 def test_embedding_gradient_is_dense_with_repeated_ids_summed(mode_name):
     ids = np.array([[1, 1, 3], [0, 1, 4]], dtype="int32")
     model = _embedding_net(keras.optimizers.SGD(0.0), compile_options=MODES[mode_name])
-    embed = model.get_layer("emb")
     y = np.zeros((2, 1), dtype="float32")
     model.fit(ids, y, batch_size=2, verbose=0)
 
-    with tf.GradientTape() as tape:
-        loss = keras.losses.MeanSquaredError()(y, model(ids))
-    reference = tf.convert_to_tensor(tape.gradient(loss, embed.embeddings))
     kept = model.gradients["emb"]["embeddings"]
-    np.testing.assert_array_equal(kept, reference)
     # By hand: every output is 6, d(loss)/d(output) = 6 per sample, each
-    # occurrence of an id adds 6 per component: id 1 occurs 3 times.
-    np.testing.assert_array_equal(kept[:, 0], [6.0, 18.0, 0.0, 6.0, 6.0])
+    # occurrence of an id adds 6 to both components: id 1 occurs 3 times.
+    expected = [[6.0, 6.0], [18.0, 18.0], [0.0, 0.0], [6.0, 6.0], [6.0, 6.0]]
+    np.testing.assert_array_equal(kept, expected)
 
 
 class _EmbeddingNet(kg.KeepGradModel):
@@ -417,6 +429,7 @@ class _EmbeddingNet(kg.KeepGradModel):
         return self.head(keras.ops.reshape(self.emb(ids), (-1, 6)))
 
 
+@pytest.mark.backends("tensorflow", reason="TensorFlow's sparse slots (IndexedSlices)")
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_ids_of_another_dtype_retrace_into_the_same_sparse_slot(jit_compile):
     # A subclassed model's int32 ids after int64 ones retrace the training
@@ -437,6 +450,7 @@ def test_ids_of_another_dtype_retrace_into_the_same_sparse_slot(jit_compile):
     np.testing.assert_array_equal(kept[:, 1], kept[:, 0])
 
 
+@pytest.mark.backends("tensorflow", reason="XLA's sparse slots and tf.distribute")
 @pytest.mark.parametrize("keep_every", [1, 2])
 @pytest.mark.parametrize("setup", ["fit", "steps_per_execution", "mirrored"])
 def test_under_xla_sparse_gradients_are_kept_as_the_batch_rows(keep_every, setup):
@@ -519,6 +533,7 @@ def _ops_inside_and_outside_xla(model, dataset):
     return counts[True], counts[False]
 
 
+@pytest.mark.backends("tensorflow", reason="XLA's sparse slots")
 @pytest.mark.parametrize("optimizer, rows", [("sgd", True), ("adam", False)])
 def test_under_xla_the_step_is_compiled_and_only_rows_are_written_outside(optimizer, rows):
     # The traced training function: XLA compiles the forward and backward
@@ -565,6 +580,7 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.backends("tensorflow", reason="XLA's sparse slots")
 @pytest.mark.parametrize(
     "optimizer, keep_every, jit_compile, dense",
     [
@@ -612,7 +628,7 @@ def test_under_xla_a_gradient_the_update_densifies_anyway_is_kept_dense(
     np.testing.assert_array_equal(kept[:, 0], expected)
     np.testing.assert_array_equal(kept[:, 1], expected)
     # Tracing the update to look at it ran none: two steps, weights as set.
-    assert int(model.optimizer.iterations.numpy()) == 2
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 2
     np.testing.assert_array_equal(model.get_layer("emb").embeddings.numpy(), np.ones((5, 2)))
 
     # With a real learning rate, the model trains as plain Keras does.
@@ -638,6 +654,7 @@ class CountingAdam(keras.optimizers.Adam):
         super().update_step(gradient, variable, learning_rate)
 
 
+@pytest.mark.backends("tensorflow", reason="XLA's sparse slots")
 @pytest.mark.slow  # XLA compiles two models
 def test_an_update_that_creates_variables_is_traced_for_the_slots_and_runs_as_in_keras():
     # Under XLA the slots of sparse gradients are made once the optimizer's
@@ -664,6 +681,9 @@ def test_an_update_that_creates_variables_is_traced_for_the_slots_and_runs_as_in
     )
 
 
+@pytest.mark.backends(
+    "tensorflow", reason="TensorFlow graph analysis (IndexedSlices densified under XLA)"
+)
 def test_densified_in_finds_the_conversion_of_exactly_that_gradient():
     def table(path):
         return types.SimpleNamespace(shape=(5, 2), path=path)
@@ -705,11 +725,12 @@ def test_off_is_a_plain_keras_model():
     assert len(off.optimizer.variables) == 4  # iteration, lr, momentum, velocity
     for a, b in zip(off.get_weights(), plain.get_weights()):
         np.testing.assert_array_equal(a, b)
-    assert off._keeper is None
+    assert off.kept_step is None
     with pytest.raises(AttributeError, match="keep_gradients=True"):
         off.gradients
 
 
+@pytest.mark.backends("tensorflow", reason="counts the ops of a tf.function graph")
 def test_off_traces_exactly_the_ops_of_a_plain_model():
     def op_count(model):
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
@@ -740,6 +761,7 @@ def test_off_traces_exactly_the_ops_of_a_plain_model():
         assert (inside if jit_compile else outside)["AssignSubVariableOp"] >= 1
 
 
+@pytest.mark.backends("tensorflow", reason="orders the ops of a tf.function graph")
 @pytest.mark.parametrize("kind", ["dense", "embedding", "keep_every"])
 def test_each_update_comes_after_its_slot_write(kind):
     # The optimizer's update of a variable reads the gradient after its slot
@@ -795,16 +817,41 @@ def test_each_update_comes_after_its_slot_write(kind):
         assert set(writes) <= ancestors(update), variable.path
 
 
-def test_kept_gradients_are_not_weights_nor_checkpointed(tmp_path):
+def test_kept_gradients_are_not_weights():
     model = one_weight()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     model.fit(X, Y, batch_size=2, verbose=0)
-    slots = model._keeper.slot_variables()
-    assert len(slots) == 1
     assert len(model.weights) == 1 and len(model.get_weights()) == 1
-    assert all(s is not v.value for s in slots for v in model.variables)
     model.set_weights([np.array([[2.0]], dtype="float32")])
     np.testing.assert_array_equal(kernel(model), [[15.0]])  # untouched
+
+
+def test_keep_gradients_off_is_plain_keras_and_can_be_turned_on():
+    model = one_weight(keep_gradients=False)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
+    assert float(model.get_weights()[0][0, 0]) == 1.5
+    with pytest.raises(AttributeError, match="keep_gradients=True"):
+        model.gradients
+    model.keep_gradients = True
+    model.fit(X, Y, batch_size=2, verbose=0)
+    assert float(kernel(model)[0, 0]) == 7.5  # 5w at w = 1.5
+
+
+def test_evaluate_and_predict_leave_the_kept_gradients():
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
+    assert model.evaluate(X, Y, verbose=0) == pytest.approx(5.625)  # mean(1.5^2, 3^2)
+    assert model.predict(X, verbose=0).tolist() == [[1.5], [3.0]]
+    assert float(kernel(model)[0, 0]) == 15.0
+
+
+@pytest.mark.backends("tensorflow", reason="tf.train.Checkpoint")
+def test_kept_gradients_are_not_checkpointed(tmp_path):
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(X, Y, batch_size=2, verbose=0)
     path = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
     names = [name for name, _ in tf.train.list_variables(path)]
     assert not [n for n in names if "kept_gradient" in n]
@@ -818,6 +865,9 @@ def test_kept_gradients_are_not_weights_nor_checkpointed(tmp_path):
 # --- construction --------------------------------------------------------
 
 
+@pytest.mark.backends(
+    "tensorflow", reason="fresh processes: a slow check kept out of the per-backend runs"
+)
 @pytest.mark.slow  # fresh processes
 def test_functional_and_subclassing_work_in_both_orders():
     functional = """
@@ -947,7 +997,7 @@ def test_a_wrapper_keeps_its_own_training_state_and_property_errors():
     assert kept.optimizer is sgd
     kept.fit(X, Y, batch_size=2, verbose=0)  # w = 1.5 -> 0.75, gradient 7.5
     assert int(sgd.iterations) == 2
-    np.testing.assert_array_equal(original.d.kernel.numpy(), [[0.75]])
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(original.d.kernel), [[0.75]])
 
     # A property of the wrapper that raises keeps its message.
     off = kg.keep_gradients(Net(), keep_gradients=False)
@@ -990,7 +1040,7 @@ def test_keep_gradients_carries_over_compile_and_optimizer_state():
     assert model.optimizer is original.optimizer and model.save_gradients
     model.fit(X, Y, batch_size=2, verbose=0)
     np.testing.assert_array_equal(kernel(model), [[7.5]])
-    assert int(model.optimizer.iterations.numpy()) == 2
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 2
 
 
 def test_options_are_stored_and_in_get_config():
@@ -1040,6 +1090,9 @@ def test_other_backends_are_refused_with_a_clear_error(monkeypatch):
         kg.keep_gradients(plain)
 
 
+@pytest.mark.backends(
+    "tensorflow", reason="a subprocess under KERAS_BACKEND=numpy, whatever this run's backend"
+)
 def test_importing_on_another_backend_is_refused_with_the_same_error():
     result = run_py("import keras_keepgrad", env={"KERAS_BACKEND": "numpy"})
     last = result.stderr.strip().splitlines()[-1]
@@ -1078,16 +1131,6 @@ def test_kept_step_says_which_step_the_slots_hold(mode, keep_every):
         assert writes[0] == writes[1] != writes[2] == writes[3]
     model.keep_gradients = False
     assert model.kept_step is None
-
-
-class UpdatesByHand(kg.KeepGradModel):
-    """Halves w by hand, without an optimizer: a step that keeps nothing."""
-
-    def train_step(self, data):
-        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
-        for variable in self.trainable_variables:
-            variable.assign(0.5 * variable)
-        return self.compute_metrics(x, y, self(x))
 
 
 def test_kept_step_of_a_step_that_keeps_nothing_has_no_paths():
@@ -1159,8 +1202,11 @@ def test_keep_gradients_of_a_one_input_model_takes_one_tensor(recwarn):
         keras.Sequential([keras.Input((1,)), dense_0()]),
     ):
         model = kg.keep_gradients(plain)
-        np.testing.assert_array_equal(model(X), [[3.0], [6.0]])
-    assert [str(w.message) for w in recwarn] == []
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(model(X)), [[3.0], [6.0]])
+    # But for NumPy 2's about torch's `__array__`, met converting the output
+    # (a third-party warning, ignored in pyproject.toml).
+    messages = [str(w.message) for w in recwarn]
+    assert [m for m in messages if "__array__ implementation" not in m] == []
 
 
 def test_layers_sharing_a_name_get_a_clear_error_not_a_lost_gradient():
@@ -1193,13 +1239,14 @@ def test_a_model_with_nothing_trainable_keeps_an_empty_structure():
     dense.trainable = False
     model = kg.KeepGradModel(inputs, dense(inputs))
     model.compile(keras.optimizers.SGD(0.1), "mse")
-    with pytest.warns(UserWarning, match="does not have any trainable weights"):
+    with no_warning_on_jax(UserWarning, match="does not have any trainable weights"):
         model.fit(np.ones((2, 2)), np.ones((2, 1)), verbose=0)
     assert model.get_state_tree()["trainable_variables"] == {}
     assert model.gradients == {}
     assert model.get_gradients_by_path() == {}
 
 
+@pytest.mark.backends("tensorflow", "torch", reason="a stateful test_step; JAX's is stateless")
 def test_a_subclass_test_step_of_its_own_skips_the_gradient_metrics():
     # Keras's guide pattern for a custom `test_step`; the gradient metric
     # must skip it, as it skips `KeepGradModel.test_step`, not raise.
@@ -1245,7 +1292,7 @@ def test_clone_model_and_the_options_as_documented():
     # A wrapped (registered) subclassed model goes through `get_config`.
     clone = keras.models.clone_model(kg.keep_gradients(_RegisteredNet(name="net"), **options))
     assert (clone.keep_gradients, clone.save_gradients, clone.keep_every) == (False, True, 3)
-    np.testing.assert_array_equal(clone(X), [[3.0], [6.0]])
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(clone(X)), [[3.0], [6.0]])
 
     class Unregistered(_RegisteredNet):
         pass

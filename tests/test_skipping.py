@@ -1,6 +1,6 @@
-"""`skip_bad_steps` on TensorFlow: the shared cases (`skipping_cases`), in
-eager, graph and XLA steps, and what is TensorFlow's or backend-free
-(arguments, saving, TensorBoard, strategies)."""
+"""`skip_bad_steps`: the shared cases (`skipping_cases`) in every mode of
+every backend, the arguments, saving, TensorBoard, and TensorFlow's
+strategies."""
 
 import os
 import re
@@ -79,9 +79,10 @@ def test_skipping_needs_kept_gradients():
     with pytest.raises(ValueError, match=r"keeps no gradients \(`keep_gradients=False`\)"):
         model.fit(X, Y, verbose=0)
     # Refused before anything ran: w is 3 still.
-    assert float(model.weights[0].numpy()[0, 0]) == 3.0
+    assert float(keras.ops.convert_to_numpy(model.weights[0])[0, 0]) == 3.0
 
 
+@pytest.mark.backends("tensorflow", reason="tf.distribute.MirroredStrategy")
 def test_several_replicas_are_refused():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
@@ -91,6 +92,7 @@ def test_several_replicas_are_refused():
         model.fit(X, Y, verbose=0)
 
 
+@pytest.mark.backends("tensorflow", reason="a train_step written with tf.GradientTape")
 def test_a_spike_factor_needs_one_apply_per_step():
     class TwoApplies(kg.KeepGradModel):
         def train_step(self, data):
@@ -136,7 +138,7 @@ def test_config_and_saving_round_trip(tmp_path):
     assert loaded.skip_bad_steps == kg.SkipBadSteps(spike_factor=4.0, window=7)
     history = loaded.fit(np.array([[np.nan], [2.0]], "float32"), Y, verbose=0)
     assert history.history["skipped_steps"] == [1.0]
-    assert float(loaded.weights[0].numpy()[0, 0]) == 1.5
+    assert float(keras.ops.convert_to_numpy(loaded.weights[0])[0, 0]) == 1.5
 
 
 def test_keep_gradients_wrapper_takes_the_option():
@@ -145,7 +147,7 @@ def test_keep_gradients_wrapper_takes_the_option():
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     history = model.fit(np.array([[np.nan], [2.0]], "float32"), Y, verbose=0)
     assert history.history["skipped_steps"] == [1.0]
-    assert float(plain.weights[0].numpy()[0, 0]) == 3.0
+    assert float(keras.ops.convert_to_numpy(plain.weights[0])[0, 0]) == 3.0
 
 
 def test_tensorboard_marks_the_skipped_steps(tmp_path):
@@ -224,7 +226,12 @@ def test_replay_refuses_other_files_and_uncompiled_models(tmp_path):
 def test_a_nested_batch_is_refused_with_its_name(tmp_path):
     model = one_weight(skip_bad_steps=kg.SkipBadSteps(save_batches_to=str(tmp_path)))
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    with pytest.raises(ValueError, match=r"Received a nested 'x'"):
+    match = r"Received a nested 'x'"
+    if keras.backend.backend() == "jax":
+        # Keras's JAX trainer builds the model on the batch before the step
+        # and refuses the unknown key first.
+        match = r"You passed a data dictionary with keys \['a'\]"
+    with pytest.raises(ValueError, match=match):
         model.train_on_batch({"a": {"b": X}}, Y)
 
 

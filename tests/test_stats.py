@@ -15,6 +15,10 @@ import keras_keepgrad as kg
 from keras_keepgrad import _squares
 from keras_keepgrad import _stats
 
+# Unit tests of the sums of squares on TensorFlow's inputs: tf tensors,
+# IndexedSlices, a tf.function (the model-level tests below run everywhere).
+TF_ARITHMETIC = pytest.mark.backends("tensorflow", reason="tf tensors and IndexedSlices as inputs")
+
 
 def hand_model(**compile_kwargs):
     inputs = keras.Input((1,))
@@ -44,6 +48,7 @@ class Squares(keras.callbacks.Callback):
         self.seen.append((count, paths, squares.tolist()))
 
 
+@TF_ARITHMETIC
 def test_gradient_norms_sum_squares_per_variable_and_layer():
     grads = {
         "a/kernel": tf.constant([[3.0, 4.0]]),  # 9 + 16
@@ -78,6 +83,7 @@ def test_layer_of_drops_the_last_path_component():
     assert _squares.layer_of("scale") == "scale"
 
 
+@TF_ARITHMETIC
 @pytest.mark.parametrize("jit", [False, True])
 def test_nonfinite_and_overflowing_sums_are_told_apart(jit):
     @tf.function(jit_compile=jit)
@@ -165,6 +171,7 @@ def test_statistics_are_no_weights_and_not_saved(tmp_path):
     assert len(model.weights) == n
 
 
+@TF_ARITHMETIC
 def test_metrics_and_statistics_share_one_computation():
     grads = {"a/kernel": tf.constant([3.0, 4.0])}
     first = _squares.shared_squares(grads)
@@ -213,6 +220,7 @@ def test_an_overflowing_sum_is_not_taken_for_nan(tmp_path):
     assert values("gradients/log10_global_norm") == [float(np.float32(np.log10(1.5e21)))]
 
 
+@TF_ARITHMETIC
 def test_sum_squares_without_the_exact_pass_reads_overflow_as_inf():
     squares = _squares.sum_squares([tf.constant([3e19]), tf.constant([2.0])], exact=False)
     assert squares.numpy().tolist() == [np.inf, 4.0]
@@ -245,20 +253,16 @@ def test_sparse_gradients_are_summed_before_squaring(jit):
     assert seen.seen == [(1, ("emb/embeddings", "d/kernel"), [648.0, 864.0])]
 
 
-# As on JAX and PyTorch (`tests/any_backend`): the same cases.
+# The cases of `stats_cases.py`, in every mode.
 
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_a_metric_and_two_callbacks_read_the_step_statistics(tmp_path, monkeypatch, jit):
-    stats_cases.metric_and_two_callbacks_read_the_step_statistics(
-        tmp_path, monkeypatch, jit_compile=jit
-    )
+def test_a_metric_and_two_callbacks_read_the_step_statistics(tmp_path, monkeypatch, mode):
+    stats_cases.metric_and_two_callbacks_read_the_step_statistics(tmp_path, monkeypatch, **mode)
 
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_step_statistics_under_keep_every_describe_the_kept_step(monkeypatch, jit):
-    stats_cases.keep_every_describes_the_step_the_slots_hold(monkeypatch, jit_compile=jit)
+def test_step_statistics_under_keep_every_describe_the_kept_step(monkeypatch, mode):
+    stats_cases.keep_every_describes_the_step_the_slots_hold(monkeypatch, **mode)
 
 
-def test_step_statistics_of_a_nonfinite_step(tmp_path):
-    stats_cases.a_nonfinite_step_is_recorded_and_reported(tmp_path)
+def test_step_statistics_of_a_nonfinite_step(tmp_path, mode):
+    stats_cases.a_nonfinite_step_is_recorded_and_reported(tmp_path, **mode)

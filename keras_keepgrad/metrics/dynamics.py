@@ -111,6 +111,9 @@ def assign(variable, value):
 def assign_add(variable, value):
     if _TENSORFLOW:
         variable.assign_add(value, read_value=False)
+    elif _compat.BACKEND == "torch":
+        # One pass over the window's buffer, not Keras's two.
+        _compat.torch_assign_add(variable, value)
     else:
         variable.assign_add(value)
 

@@ -49,18 +49,42 @@ def two_layer_model(names=("dense_0", "dense_1"), cls=kg.KeepGradModel, **kwargs
 
 def tape_gradients(model, x, y, batch_size, epochs):
     """Each step's `{path: gradient}` of a plain model trained batch by batch
-    in order with a `tf.GradientTape` and its optimizer: the reference."""
+    in order with the backend's own differentiation (a `tf.GradientTape`,
+    `jax.grad`, PyTorch's autograd) and its optimizer: the reference."""
     found = []
     for _ in range(epochs):
         for start in range(0, len(x), batch_size):
-            xb, yb = x[start : start + batch_size], y[start : start + batch_size]
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(model(xb) - yb))
+            xb = np.asarray(x[start : start + batch_size], "float32")
+            yb = np.asarray(y[start : start + batch_size], "float32")
             variables = model.trainable_variables
-            grads = tape.gradient(loss, variables)
+            grads = _mse_gradients(model, xb, yb)
             model.optimizer.apply(grads, variables)
-            found.append({v.path: g.numpy() for v, g in zip(variables, grads)})
+            found.append({v.path: keras.ops.convert_to_numpy(g) for v, g in zip(variables, grads)})
     return found
+
+
+def _mse_gradients(model, x, y):
+    variables = model.trainable_variables
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        def loss_fn(trainable):
+            y_pred, _ = model.stateless_call(
+                trainable, [v.value for v in model.non_trainable_variables], x
+            )
+            return jnp.mean(jnp.square(y_pred - y))
+
+        return jax.grad(loss_fn)([v.value for v in variables])
+    if backend == "torch":
+        import torch
+
+        loss = torch.mean(torch.square(model(x) - torch.as_tensor(y)))
+        return list(torch.autograd.grad(loss, [v.value for v in variables]))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x) - y))
+    return tape.gradient(loss, variables)
 
 
 def layer_norms(grads):

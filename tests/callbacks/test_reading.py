@@ -19,6 +19,9 @@ from callback_helpers import scalars
 from conftest import MODES
 from conftest import LateBuilt
 from conftest import Recorder
+from conftest import X
+from conftest import Y
+from conftest import one_weight
 
 import keras_keepgrad as kg
 from keras_keepgrad import callbacks
@@ -121,6 +124,9 @@ def test_keep_every_labels_a_read_step_with_the_epoch_it_ran_in(tmp_path):
     assert [(e["kind"], e["step"], e["epoch"]) for e in monitor.events] == [("exploding", 5, 2)]
 
 
+@pytest.mark.backends(
+    "tensorflow", "jax", reason="Keras's PyTorch trainer refuses steps_per_execution > 1"
+)
 def test_keep_every_labels_across_executions_and_fits(tmp_path):
     # keep_every=3 and steps_per_execution=2: callbacks run after steps 2, 4
     # of each fit. The count of steps goes on across fits: writes on global
@@ -194,6 +200,53 @@ def test_callbacks_of_a_model_built_by_its_first_batch(tmp_path, mode, own_step)
     assert [(e["kind"], e["step"], e["layers"]) for e in monitor.events] == [
         ("exploding", 1, ["net/dense_0"])
     ]
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_callbacks_read_every_step(tmp_path, dtype):
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
+
+    # 15, 7.5, 3.75 and SGD(0.1)'s steps between them are exact in bfloat16.
+    model = one_weight(dtype=dtype)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    monitor = kg.callbacks.GradientMonitor(check_freq=1)
+    callbacks = [
+        kg.callbacks.GradientTensorBoard(
+            str(tmp_path / "tb"), update_freq=1, gradient_histogram_freq=1
+        ),
+        monitor,
+        kg.callbacks.GradientSnapshot(str(tmp_path / "snap" / "{step:03d}.npz"), every=1),
+    ]
+    model.fit(np.tile(X, (3, 1)), np.tile(Y, (3, 1)), batch_size=2, shuffle=False, verbose=0,
+              callbacks=callbacks)  # fmt: skip
+    snaps = [np.load(tmp_path / "snap" / f"{step:03d}.npz") for step in (1, 2, 3)]
+    assert [float(s["dense_0/kernel"][0, 0]) for s in snaps] == [15.0, 7.5, 3.75]
+    assert snaps[0]["dense_0/kernel"].dtype == np.float32  # bfloat16 is stored as float32
+    acc = event_accumulator.EventAccumulator(
+        str(tmp_path / "tb" / "train"), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    acc.Reload()
+
+    def written(tag):
+        return [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
+
+    # log10 of each norm, written once, as float32; the layer's tag is its path.
+    log10 = [(s, float(np.float32(np.log10(v)))) for s, v in [(1, 15.0), (2, 7.5), (3, 3.75)]]
+    assert written("gradients/log10_norm/dense_0") == log10
+    assert written("gradients/log10_global_norm") == log10
+    # No non-finite step: the count, 0, at the first step and the epoch's last.
+    assert written("gradients/nonfinite_steps") == [(1, 0.0), (3, 0.0)]
+    # A histogram of each step's one value: its buckets span exactly it.
+    histograms = [
+        tensor_util.make_ndarray(e.tensor_proto) for e in acc.Tensors("dense_0/kernel/gradient")
+    ]
+    assert [(h[:, 0].min(), h[:, 1].max(), h[:, 2].sum()) for h in histograms] == [
+        (15.0, 15.0, 1.0),
+        (7.5, 7.5, 1.0),
+        (3.75, 3.75, 1.0),
+    ]
+    assert monitor.events == []  # nothing non-finite, vanishing or exploding
 
 
 def test_skipped_log_tells_the_skipped_steps_from_the_counts():

@@ -1,5 +1,5 @@
 """Tests for keras_keepgrad.callbacks.report (GradientReport) and the
-monitor's states, on TensorFlow; the cases are in `tests/report_cases.py`."""
+monitor's states; the cases are in `tests/report_cases.py`."""
 
 import report_cases as cases
 

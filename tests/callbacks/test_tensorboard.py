@@ -294,6 +294,10 @@ def test_tensorboard_heatmap_is_a_labelled_figure(hand_run):
     assert image[row, middle].tolist() == colors[7.5]
 
 
+@pytest.mark.backends(
+    "tensorflow",
+    reason="a TensorBoard server subprocess: a slow check kept out of the per-backend runs",
+)
 @pytest.mark.slow
 def test_tensorboard_server_serves_the_gradient_panels(hand_run, tmp_path):
     log_dir, _ = hand_run
@@ -369,6 +373,9 @@ def test_tensorboard_server_serves_the_gradient_panels(hand_run, tmp_path):
         log_file.close()
 
 
+@pytest.mark.backends(
+    "tensorflow", "jax", reason="Keras's PyTorch trainer refuses steps_per_execution > 1"
+)
 def test_tensorboard_steps_per_execution_validation_and_epoch_freq(tmp_path):
     # 10 samples, batch 2: 5 batches per epoch; 2 per execution, so Keras
     # calls back after batches 2, 4, 5 (partial execution), 7, 9, 10.

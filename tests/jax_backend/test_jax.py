@@ -1,8 +1,8 @@
 """KeepGradModel on Keras's JAX backend (run with KERAS_BACKEND=jax).
 
-`tests/test_backends.py` runs this directory, with `tests/any_backend`
-(the cases that are the same on JAX and PyTorch), in a subprocess with
-`KERAS_BACKEND=jax` and two host CPU devices; the TensorFlow run of the
+`tests/test_backends.py` runs this directory, with the contract's test
+modules (`conftest.CONTRACT`, the same on every backend), in a subprocess
+with `KERAS_BACKEND=jax` and two host CPU devices; the TensorFlow run of the
 suite does not collect it. Here: what is JAX's own (`jax.grad`
 references, a stateless `train_step`, donated slots, `keras.distribution`).
 
@@ -291,7 +291,7 @@ def test_an_eager_step_under_loss_scaling_keeps_float32(mode):
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **EAGER_MODES[mode])
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     rec = fit_batches(model, 4)
-    # As under jit (`any_backend`): three overflowing steps skipped, then 5w
+    # As under jit (test_model.py): three overflowing steps skipped, then 5w
     # unscaled; the slots take the dtype the first step's optimizer received.
     assert [np.isfinite(g) for g in rec.seen] == [False, False, False, True]
     assert rec.seen[3] == 15.0

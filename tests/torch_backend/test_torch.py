@@ -1,8 +1,8 @@
 """KeepGradModel on Keras's PyTorch backend (run with KERAS_BACKEND=torch).
 
-`tests/test_backends.py` runs this directory, with `tests/any_backend`
-(the cases that are the same on JAX and PyTorch), in a subprocess with
-`KERAS_BACKEND=torch`; the TensorFlow run of the suite does not collect
+`tests/test_backends.py` runs this directory, with the contract's test
+modules (`conftest.CONTRACT`, the same on every backend), in a subprocess
+with `KERAS_BACKEND=torch`; the TensorFlow run of the suite does not collect
 it. Here: what is PyTorch's own (`torch.autograd.grad` references, a
 `train_step` in PyTorch style, the held `.grad` tensors, `torch.compile`).
 

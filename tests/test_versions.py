@@ -1,7 +1,6 @@
 """The tested Keras and TensorFlow range, checked as `keras_keepgrad` is imported.
 
-Collected on every backend (TensorFlow's run included): the check reads the
-versions, not the backend.
+The check reads the versions, not the backend: the TensorFlow run covers it.
 """
 
 import importlib
