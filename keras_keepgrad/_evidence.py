@@ -1,12 +1,13 @@
-"""The evidence of a skipped step: its batch saved to `.npz`, and replayed.
+"""The evidence of a bad step: its batch saved to `.npz`, and replayed.
 
 With `SkipBadSteps(save_batches_to=...)` the training step hands what it
 received (inputs, targets, sample weights), its kept gradients, its step
 number and its loss scale to `save`, on the host, only where the step was
-skipped: the backend's `call_if` runs it under the step's own condition (a
-`tf.cond` around a `tf.numpy_function`, after the XLA program on an XLA
-step; a `jax.lax.cond` around a `jax.debug.callback`; a Python `if` on
-PyTorch), so a good step moves nothing off the device.
+bad (skipped, or flagged with `SkipBadSteps(skip=False)`): the backend's
+`call_if` runs it under the step's own condition (a `tf.cond` around a
+`tf.numpy_function`, after the XLA program on an XLA step; a
+`jax.lax.cond` around a `jax.debug.callback`; a Python `if` on PyTorch),
+so a good step moves nothing off the device.
 """
 
 import glob
@@ -83,6 +84,10 @@ def save(directory, max_saved, arrays):
     arrays = {k: np.asarray(v) for k, v in arrays.items()}
     # Counted in float32 inside the step (exact up to 2**24 steps).
     arrays["step"] = np.int64(arrays["step"])
+    if "first_bad_replica" in arrays:
+        arrays["first_bad_replica"] = np.int64(arrays["first_bad_replica"])
+    if "skipped" in arrays:
+        arrays["skipped"] = np.bool_(arrays["skipped"])
     try:
         if count_saved(directory) >= max_saved:
             return
@@ -91,7 +96,7 @@ def save(directory, max_saved, arrays):
         _files.atomic_savez(filename, arrays)
     except Exception as error:  # noqa: BLE001 - a save never stops training
         warnings.warn(
-            f"`SkipBadSteps` could not save the batch of skipped step "
+            f"`SkipBadSteps` could not save the batch of bad step "
             f"{arrays.get('step')!r} to {directory!r}: {error}",
             stacklevel=2,
         )

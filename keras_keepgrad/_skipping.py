@@ -26,13 +26,17 @@ from keras_keepgrad import _capture
 from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _evidence
+from keras_keepgrad import _replicas
 from keras_keepgrad import _torch_compile
 from keras_keepgrad import backend
 
-__all__ = ["LOG_KEY", "SkipBadSteps", "begin", "check_allowed", "config_of"]
+__all__ = ["FLAGGED_LOG_KEY", "LOG_KEY", "SkipBadSteps", "begin", "check_allowed", "config_of"]
 
 # The log key of the count of skipped steps (per epoch, cumulative).
 LOG_KEY = "skipped_steps"
+# Likewise for the bad steps of `SkipBadSteps(skip=False)`, whose update ran:
+# never counted under `LOG_KEY`, which readers take for skipped updates.
+FLAGGED_LOG_KEY = "flagged_steps"
 
 
 @keras.saving.register_keras_serializable(package="keras_keepgrad")
@@ -60,14 +64,25 @@ class SkipBadSteps:
 
     `fit` logs the skipped steps of the epoch so far as `skipped_steps`.
 
-    With `save_batches_to`, each skipped step also leaves its evidence:
-    the batch the training step received (inputs, targets, sample
-    weights), its kept gradients, its step number and its loss scale, in
-    one `.npz` file per step, `bad_step_<step:08d>.npz`, written
-    atomically; `kg.replay_batch(model, file)` computes its gradients
-    again. Only the first `max_saved` files are written (counted in the
-    directory, so a later `fit` into it writes no more once it holds
-    them): later bad steps are usually the consequences of the first.
+    With `skip=False` bad steps are only flagged: judged, counted and saved
+    as above, but their update runs as on any other step. `fit` then logs
+    their count as `flagged_steps` (never as `skipped_steps`: their update
+    was applied). A `LossScaleOptimizer` still skips non-finite steps
+    itself, as it does without `skip_bad_steps`. Use it to collect the
+    evidence of rare spikes while training exactly as without it.
+
+    With `save_batches_to`, each bad step also leaves its evidence: the
+    batch the training step received (inputs, targets, sample weights),
+    its kept gradients, its step number and its loss scale, in one `.npz`
+    file per step, `bad_step_<step:08d>.npz`, written atomically, whose
+    `skipped` entry says whether its update was skipped (False with
+    `skip=False`, and True on a skipped step), and whose
+    `first_bad_replica` entry names the first replica whose gradients were
+    not finite, -1 if none (`model.first_bad_replica`);
+    `kg.replay_batch(model, file)` computes its gradients again. Only the
+    first `max_saved` files are written (counted in the directory, so a
+    later `fit` into it writes no more once it holds them): later bad
+    steps are usually the consequences of the first.
 
     Args:
         nonfinite: Bool. Skip steps whose kept gradients hold a NaN or an
@@ -81,9 +96,12 @@ class SkipBadSteps:
             the skipped steps' batches are saved. Defaults to None.
         max_saved: Positive int. How many saved batches the directory
             holds at most. Defaults to `10`.
+        skip: Bool. Skip the update of a bad step (True), or only flag
+            it (False: counted as `flagged_steps` and saved, its update
+            applied). Defaults to `True`.
 
     Raises:
-        TypeError: `nonfinite` is not a bool.
+        TypeError: `nonfinite` or `skip` is not a bool.
         ValueError: `spike_factor` is not a finite number above 1 (or
             None), `window` or `max_saved` is not a positive int, nothing
             is checked (`nonfinite=False` and `spike_factor=None`), or
@@ -97,8 +115,10 @@ class SkipBadSteps:
         window: int = 100,
         save_batches_to: str | os.PathLike | None = None,
         max_saved: int = 10,
+        skip: bool = True,
     ) -> None:
         self.nonfinite = _checks.check_bool("nonfinite", nonfinite)
+        self.skip = _checks.check_bool("skip", skip)
         self.spike_factor = _checks.check_positive_float("spike_factor", spike_factor, above=1.0)
         self.window = _checks.check_positive_int("window", window)
         self.max_saved = _checks.check_positive_int("max_saved", max_saved)
@@ -128,7 +148,15 @@ class SkipBadSteps:
         }
         if self.save_batches_to is not None:
             config.update(save_batches_to=self.save_batches_to, max_saved=self.max_saved)
+        if not self.skip:
+            # Only when set: the configs saved before it existed stay equal.
+            config["skip"] = False
         return config
+
+    @property
+    def log_key(self):
+        """Str. The log key of the epoch's count of bad steps."""
+        return LOG_KEY if self.skip else FLAGGED_LOG_KEY
 
     @classmethod
     def from_config(cls, config):
@@ -224,7 +252,10 @@ def check_allowed(model):
             "`skip_bad_steps` is not supported under a `tf.distribute` strategy "
             f"with several replicas. Received: {type(strategy).__name__} of "
             f"{strategy.num_replicas_in_sync} replicas for model {model.name!r}. "
-            "Train on one replica, or set `model.skip_bad_steps = None`."
+            "Each replica would judge its own partial gradients, not the "
+            "global ones every replica applies. Train on one replica, or set "
+            "`model.skip_bad_steps = None`; `model.first_bad_replica` names "
+            "the replica whose share of a batch went non-finite."
         )
 
 
@@ -265,7 +296,10 @@ class Guard:
         self.config = config
         self.state = state
         self.data = data
-        self.bad = None  # whether an update of the step was skipped
+        self.bad = None  # whether an update of the step was bad
+        self.finite = None  # whether all its judged gradients were finite
+        # Whether a `LossScaleOptimizer` skipped an update (non-finite) itself.
+        self.scale_skipped = None
         self.judged = 0
         self.scale = None  # a `LossScaleOptimizer`'s scale as the step ran
         self.kept = {}  # `{path: kept gradient}` judged, where batches are saved
@@ -309,9 +343,13 @@ class Guard:
                 joins, ops.minimum(state["recorded"] + 1.0, float(window)), state["recorded"]
             )
         self.bad = bad if self.bad is None else ops.logical_or(self.bad, bad)
+        self.finite = finite if self.finite is None else ops.logical_and(self.finite, finite)
         if scale is not None and self.scale is None:
             self.scale = scale
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            lowered = ops.logical_not(finite)
+            previous = self.scale_skipped
+            self.scale_skipped = lowered if previous is None else ops.logical_or(previous, lowered)
             # It skips non-finite updates itself, and lowers its scale.
             return ops.logical_or(ops.logical_not(bad), ops.logical_not(finite))
         return ops.logical_not(bad)
@@ -327,7 +365,10 @@ class Guard:
                     optimizer.build(variables)
             # Read before the update, which halves it on a non-finite step.
             scale = ops.copy(ops.convert_to_tensor(optimizer.dynamic_scale))
-        return backend.apply_if(self._judge(optimizer, kept, scale), apply, optimizer, variables)
+        run = self._judge(optimizer, kept, scale)
+        if not self.config.skip:
+            return apply()  # flagged only: the update runs as without a guard
+        return backend.apply_if(run, apply, optimizer, variables)
 
     def apply_stateless(self, optimizer, kept, apply, unchanged):
         """`apply()` (a `stateless_apply`), or `unchanged` if the update is bad."""
@@ -338,6 +379,8 @@ class Guard:
             index = [id(v) for v in optimizer.variables].index(id(optimizer.dynamic_scale))
             scale = unchanged[1][index]
         run = self._judge(optimizer, kept, scale)
+        if not self.config.skip:
+            return apply()
         return keras.tree.map_structure(
             lambda new, old: ops.where(run, new, old), apply(), unchanged
         )
@@ -358,7 +401,7 @@ class Guard:
                 names = (*names, "total")
             self._save_if(bad)
         pairs = [(getattr(metric, n), state[n]) for n in names]
-        return self.model._skip_state_out(result, pairs, {LOG_KEY: state["skipped"]})
+        return self.model._skip_state_out(result, pairs, {self.config.log_key: state["skipped"]})
 
     def _hold(self, variables, kept):
         """Holds the kept gradients judged, for `_save_if`: as judged, not
@@ -377,5 +420,12 @@ class Guard:
         if self.scale is not None:
             tensors["loss_scale"] = ops.cast(self.scale, "float32")
         config = self.config
+        # Whether the update ran: a flagged step's did, unless a
+        # `LossScaleOptimizer` skipped it itself.
+        skipped = bad if config.skip else self.scale_skipped
+        tensors["skipped"] = ops.convert_to_tensor(False) if skipped is None else skipped
+        first = _replicas.one_replica_first_bad(self.model, self.finite)
+        if first is not None:
+            tensors["first_bad_replica"] = first
         save = functools.partial(_evidence.save, config.save_batches_to, config.max_saved)
         backend.call_if(bad, save, tensors)

@@ -10,6 +10,7 @@ import keras
 from keras_keepgrad import _capture
 from keras_keepgrad import _checks
 from keras_keepgrad import _compat
+from keras_keepgrad import _replicas
 from keras_keepgrad import _saving
 from keras_keepgrad import _skipping
 from keras_keepgrad import _torch_compile
@@ -197,7 +198,9 @@ class KeepGradModel(backend.Trainer, keras.Model):
             `keras_keepgrad.SkipBadSteps` (also gradient-norm spikes). A
             skipped step leaves the weights and the optimizer's state
             untouched, keeps its gradients, and is counted in the logs as
-            `skipped_steps`. Off, the training step is unchanged.
+            `skipped_steps` (`SkipBadSteps(skip=False)` only flags bad
+            steps: applied, counted as `flagged_steps`). Off, the
+            training step is unchanged.
             Defaults to None.
         **kwargs: Passed on to `keras.Model`.
 
@@ -329,13 +332,16 @@ class KeepGradModel(backend.Trainer, keras.Model):
             or metric is None
             or metric.window != config.window
             or metric.counts_steps != counts
+            or metric.name != config.log_key
         ):
             # Its state: made only where skipping is on, so that a model
             # that does not skip has no variable or metric more.
             if metric is not None:
                 _compat.untrack_metric(self, metric)
             self._skipped_metric = (
-                None if config is None else _skipping.SkippedSteps(config.window, counts)
+                None
+                if config is None
+                else _skipping.SkippedSteps(config.window, counts, name=config.log_key)
             )
 
     def get_config(self):
@@ -568,6 +574,34 @@ class KeepGradModel(backend.Trainer, keras.Model):
             return None
         write, age = keeper.last_write()
         return KeptStep(keeper.paths, write, age)
+
+    @property
+    def first_bad_replica(self):
+        """The first replica whose gradients of the kept step were not finite.
+
+        Under a `tf.distribute` strategy with several replicas (e.g.
+        `MirroredStrategy`), each replica computes a partial gradient on its
+        share of the global batch, and the kept gradients are their sum:
+        a NaN or an infinity in one share spreads to the sum. Each
+        replica's step notes whether its own partial gradients held one,
+        before they are all-reduced, at no communication cost; this reads
+        the notes of the step the gradients were kept at.
+
+        Returns:
+            Int: the smallest replica index (`replica_id_in_sync_group`,
+            the order in which the strategy splits the batch: replica 0
+            gets its first rows) whose partial gradients held a NaN or an
+            infinity; 0 on one replica (or without a strategy) if the kept
+            gradients hold one. None if no replica's did (under several
+            replicas a sum of finite shares can still overflow).
+
+        Raises:
+            AttributeError, RuntimeError: As `gradients`. Also
+                RuntimeError where the kept gradients are not finite under
+                `keras.distribution` on several JAX devices, whose partial
+                gradients never exist apart (see `docs/distributed.md`).
+        """
+        return _replicas.first_bad_replica(self, self._checked_keeper())
 
     def get_gradients_of(self, layer: keras.layers.Layer) -> dict:
         """The last training batch's gradients of one layer or sub-model.

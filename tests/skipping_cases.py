@@ -305,8 +305,9 @@ def saved(directory):
 def nan_batch_is_saved_with_its_gradients(mode, tmp_path):
     """Batches (1, 2), (NaN, 2), (1, 2), sample weights 1, (2, 1), 1: the
     second step is skipped and its file holds exactly what the step
-    received, its number (2) and its kept gradient (NaN); no loss scale
-    without a `LossScaleOptimizer`. Good steps leave no file."""
+    received, its number (2), its kept gradient (NaN), that it was skipped
+    and that its one replica (0) went bad; no loss scale without a
+    `LossScaleOptimizer`. Good steps leave no file."""
     directory = str(tmp_path / "bad")
     model = one_weight(skip_bad_steps=kg.SkipBadSteps(save_batches_to=directory))
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **mode)
@@ -324,7 +325,17 @@ def nan_batch_is_saved_with_its_gradients(mode, tmp_path):
     files = saved(directory)
     assert list(files) == ["bad_step_00000002.npz"]
     arrays = files["bad_step_00000002.npz"]
-    assert sorted(arrays) == ["grad/dense_0/kernel", "sample_weight", "step", "x", "y"]
+    assert sorted(arrays) == [
+        "first_bad_replica",
+        "grad/dense_0/kernel",
+        "sample_weight",
+        "skipped",
+        "step",
+        "x",
+        "y",
+    ]
+    assert arrays["skipped"].dtype == np.bool_ and bool(arrays["skipped"])
+    assert int(arrays["first_bad_replica"]) == 0
     np.testing.assert_array_equal(arrays["x"], NAN_X)
     assert arrays["x"].dtype == np.float32
     np.testing.assert_array_equal(arrays["y"], np.zeros((2, 1)))
@@ -353,9 +364,18 @@ def spike_batch_is_saved_and_replays_to_its_gradients(mode, tmp_path):
     files = saved(directory)
     assert list(files) == ["bad_step_00000002.npz"]
     arrays = files["bad_step_00000002.npz"]
-    assert sorted(arrays) == ["grad/dense_0/kernel", "step", "x", "y"]
+    assert sorted(arrays) == [
+        "first_bad_replica",
+        "grad/dense_0/kernel",
+        "skipped",
+        "step",
+        "x",
+        "y",
+    ]
     np.testing.assert_array_equal(arrays["x"], batch(2, 4))
     assert int(arrays["step"]) == 2
+    # A finite spike: skipped, and no replica's gradients were non-finite.
+    assert bool(arrays["skipped"]) and int(arrays["first_bad_replica"]) == -1
     np.testing.assert_array_equal(arrays["grad/dense_0/kernel"], [[30.0]])
 
     restored = one_weight(skip_bad_steps=config)
@@ -439,9 +459,88 @@ def dict_inputs_are_saved_per_key_and_replayed(mode, tmp_path):
     files = saved(directory)
     assert list(files) == ["bad_step_00000002.npz", "bad_step_00000003.npz"]
     spike, nan = files.values()
-    assert sorted(spike) == ["grad/dense_0/kernel", "step", "x/a", "y"]
+    assert sorted(spike) == [
+        "first_bad_replica",
+        "grad/dense_0/kernel",
+        "skipped",
+        "step",
+        "x/a",
+        "y",
+    ]
     np.testing.assert_array_equal(spike["x/a"], batch(2, 4))
     np.testing.assert_array_equal(spike["grad/dense_0/kernel"], [[60.0]])
     np.testing.assert_array_equal(nan["x/a"], NAN_X)
     path = os.path.join(directory, "bad_step_00000002.npz")
     assert kg.replay_batch(model, path) == {"dense_0/kernel": np.array([[60.0]], "float32")}
+
+
+# Flagged, not skipped (`SkipBadSteps(skip=False)`) ------------------------
+
+
+def flagged_steps_are_applied_counted_and_saved(mode, tmp_path):
+    """skip=False, SGD(0.1), window 1, factor 1.5. Step 1 ((1, 2): 15):
+    w = 3 - 1.5 = 1.5. Step 2 ((2, 4): 1.5 * 20 = 30 > 1.5 * 15) is
+    flagged, saved and applied: w = 1.5 - 3 = -1.5. Step 3 ((1, 2):
+    -1.5 * 5 = -7.5, norm 7.5 < 1.5 * 30): applied, w = -0.75, no file.
+    Step 4 ((NaN, 2)) is flagged, saved and applied: w turns NaN. Two
+    flagged, logged as `flagged_steps`, never as `skipped_steps`; four
+    updates."""
+    directory = str(tmp_path / "bad")
+    config = kg.SkipBadSteps(spike_factor=1.5, window=1, save_batches_to=directory, skip=False)
+    model = one_weight(skip_bad_steps=config)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
+    weights = []
+    for x in (X, batch(2, 4), X):
+        logs = _train_on_batch(model, x, Y, return_dict=True)
+        weights.append(float(np.asarray(model.weights[0])[0, 0]))
+    assert weights == [1.5, -1.5, -0.75]
+    assert "skipped_steps" not in logs
+    history = model.fit(NAN_X, Y, batch_size=2, shuffle=False, verbose=0)
+    assert sorted(history.history) == ["flagged_steps", "loss"]
+    assert history.history["flagged_steps"] == [1.0]
+    assert np.isnan(float(np.asarray(model.weights[0])[0, 0]))
+    assert iterations(model) == 4
+    files = saved(directory)
+    assert list(files) == ["bad_step_00000002.npz", "bad_step_00000004.npz"]
+    spike, nan = files.values()
+    np.testing.assert_array_equal(spike["grad/dense_0/kernel"], [[30.0]])
+    np.testing.assert_array_equal(spike["x"], batch(2, 4))
+    assert [bool(spike["skipped"]), int(spike["first_bad_replica"])] == [False, -1]
+    np.testing.assert_array_equal(nan["x"], NAN_X)
+    assert np.isnan(nan["grad/dense_0/kernel"][0, 0])
+    assert [bool(nan["skipped"]), int(nan["first_bad_replica"])] == [False, 0]
+
+
+def flagged_counts_per_epoch_like_skipped(mode):
+    """skip=False, SGD(0.0), per epoch (1, 2), (NaN, 2), (1, 2), (NaN, 2).
+    The NaN step is flagged and applied: w - 0.0 * NaN is NaN, so every
+    later step is flagged too: 3 in the first epoch (the count starts
+    again), 4 in the second; 8 updates. Skipped, it would be [2, 2]."""
+    model = one_weight(skip_bad_steps=kg.SkipBadSteps(skip=False))
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **mode)
+    x = np.concatenate([X, NAN_X, X, NAN_X])
+    history = model.fit(
+        x, np.zeros((8, 1), "float32"), batch_size=2, epochs=2, shuffle=False, verbose=0
+    )
+    assert history.history["flagged_steps"] == [3.0, 4.0]
+    assert "skipped_steps" not in history.history
+    assert iterations(model) == 8
+
+
+def flagged_under_loss_scaling_is_skipped_by_the_optimizer(mode, tmp_path):
+    """skip=False, mixed_float16, `LossScaleOptimizer(SGD(0.1),
+    initial_scale=2)`: a NaN step is flagged, and the loss scale optimizer
+    skips it itself (scale 2 -> 1, w stays 3): its file says skipped."""
+    keras.config.set_dtype_policy("mixed_float16")
+    directory = str(tmp_path / "bad")
+    config = kg.SkipBadSteps(save_batches_to=directory, skip=False)
+    model = one_weight(skip_bad_steps=config)
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0)
+    model.compile(optimizer=optimizer, loss="mse", **mode)
+    logs = _train_on_batch(model, NAN_X, Y, return_dict=True)
+    assert float(logs["flagged_steps"]) == 1.0
+    assert float(np.asarray(optimizer.dynamic_scale)) == 1.0
+    assert float(np.asarray(model.weights[0])[0, 0]) == 3.0
+    (arrays,) = saved(directory).values()
+    assert [bool(arrays["skipped"]), int(arrays["first_bad_replica"])] == [True, 0]
+    assert float(arrays["loss_scale"]) == 2.0

@@ -90,7 +90,7 @@ def test_no_import_cycles():
 # backends never the metrics).
 LAYERS = [
     ["_paths", "_compat", "_ops", "_checks", "_files", "_torch_compile"],
-    ["_squares", "_stats", "_capture", "_saving"],
+    ["_squares", "_stats", "_capture", "_saving", "_replicas"],
     ["backend", "_evidence", "_skipping"],
     ["metrics"],
     ["model", "wrapping"],

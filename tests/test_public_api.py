@@ -36,7 +36,8 @@ SIGNATURES = {
         "skip_bad_steps=None, **kwargs)"
     ),
     kg.SkipBadSteps: (
-        "(nonfinite=True, spike_factor=None, window=100, save_batches_to=None, max_saved=10)"
+        "(nonfinite=True, spike_factor=None, window=100, save_batches_to=None, max_saved=10, "
+        "skip=True)"
     ),
     kg.replay_batch: "(model, path)",
     kg.keep_gradients: "(model, **options)",
@@ -119,6 +120,7 @@ def test_the_model_members_and_base_classes():
         "save_gradients",
         "keep_every",
         "skip_bad_steps",
+        "first_bad_replica",
     ):
         assert name in dir(kg.KeepGradModel), name
     assert callable(kg.KeepGradModel.get_gradients_by_path)

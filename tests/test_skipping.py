@@ -25,6 +25,7 @@ CASES = [
     cases.own_train_step_is_guarded,
     cases.off_changes_nothing,
     cases.under_loss_scaling,
+    cases.flagged_counts_per_epoch_like_skipped,
     cases.monitor_reports_a_skipped_nan_step_as_skipped,
     cases.monitor_reports_a_skipped_spike_as_skipped_not_exploding,
     cases.monitor_reports_a_nan_the_skip_let_through_as_nonfinite,
@@ -38,6 +39,8 @@ SAVING_CASES = [
     cases.saving_adds_one_counter_and_off_adds_none,
     cases.saved_loss_scale_is_the_steps,
     cases.dict_inputs_are_saved_per_key_and_replayed,
+    cases.flagged_steps_are_applied_counted_and_saved,
+    cases.flagged_under_loss_scaling_is_skipped_by_the_optimizer,
 ]
 
 
@@ -62,6 +65,8 @@ def test_arguments_are_checked_with_their_names():
         kg.SkipBadSteps(nonfinite=1)
     with pytest.raises(ValueError, match=r"checks nothing"):
         kg.SkipBadSteps(nonfinite=False)
+    with pytest.raises(TypeError, match=r"`skip` must be a bool .* Received: skip='no'"):
+        kg.SkipBadSteps(skip="no")
     model = one_weight(skip_bad_steps=True)
     with pytest.raises(TypeError, match=r"Received: skip_bad_steps=3"):
         model.skip_bad_steps = 3
@@ -228,3 +233,33 @@ def test_a_nested_batch_is_refused_with_its_name(tmp_path):
         match = r"You passed a data dictionary with keys \['a'\]"
     with pytest.raises(ValueError, match=match):
         model.train_on_batch({"a": {"b": X}}, Y)
+
+
+def test_flagging_round_trips_and_its_count_is_never_the_skipped_one(tmp_path):
+    config = kg.SkipBadSteps(spike_factor=4.0, skip=False)
+    assert config.get_config() == {
+        "nonfinite": True,
+        "spike_factor": 4.0,
+        "window": 100,
+        "skip": False,
+    }
+    assert kg.SkipBadSteps.from_config(config.get_config()) == config
+    assert config != kg.SkipBadSteps(spike_factor=4.0)
+    model = one_weight(skip_bad_steps=config)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.skip_bad_steps == config
+    # Flagged, applied: w turns NaN. Set to skip: the same step is skipped.
+    nan = np.array([[np.nan], [2.0]], "float32")
+    history = loaded.fit(nan, Y, verbose=0)
+    assert sorted(history.history) == ["flagged_steps", "loss"]
+    assert history.history["flagged_steps"] == [1.0]
+    assert np.isnan(float(loaded.weights[0].numpy()[0, 0]))
+    model.skip_bad_steps = kg.SkipBadSteps(spike_factor=4.0)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    history = model.fit(nan, Y, verbose=0)
+    assert sorted(history.history) == ["loss", "skipped_steps"]
+    assert history.history["skipped_steps"] == [1.0]
+    assert float(model.weights[0].numpy()[0, 0]) == 3.0

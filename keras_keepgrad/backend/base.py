@@ -133,6 +133,12 @@ class Keeper:
         """Whether some slot holds a sparse gradient as (values, indices)."""
         raise NotImplementedError
 
+    def replica_flags(self):
+        """Bool array, per replica: whether its partial gradients of the
+        kept step were not finite; None where the step has no such record
+        (one replica, or replicas whose partial gradients never exist)."""
+        return None
+
     def restore(self, variables, arrays, strategy=None):
         """Writes saved dense gradients (`{path: array}`) into the slots."""
         raise NotImplementedError

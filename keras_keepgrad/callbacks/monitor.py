@@ -10,6 +10,7 @@ import keras
 import numpy as np
 
 from keras_keepgrad import _checks
+from keras_keepgrad import _replicas
 from keras_keepgrad.callbacks import _health
 from keras_keepgrad.callbacks import _reading
 from keras_keepgrad.callbacks import _states
@@ -28,7 +29,8 @@ class GradientMonitor(_reading.KeptStepReader):
 
     - non-finite gradients (NaN or inf), naming the affected layers in
       forward order (the first listed is the earliest layer whose gradients
-      are not finite);
+      are not finite), and under several replicas the first replica whose
+      share went bad (`model.first_bad_replica`: "first on replica 1 of 2");
     - vanishing layers: a layer's gradient norm stayed below
       `vanishing_threshold` for `vanishing_steps` checks in a row;
     - explosions: the global gradient norm is above `exploding_threshold`,
@@ -247,7 +249,8 @@ class GradientMonitor(_reading.KeptStepReader):
         """What a report says of the non-finite layers `bad` (indices)."""
         return (
             f"non-finite gradients (NaN or inf) in {len(bad)} of "
-            f"{len(self._norms.layers)} layers, in forward order: {self._names(bad)}."
+            f"{len(self._norms.layers)} layers, in forward order: {self._names(bad)}"
+            f"{_replicas.note(self.model)}."
         )
 
     def _largest(self, values, count=3):

@@ -34,6 +34,7 @@ from keras_keepgrad.backend import base
 from keras_keepgrad.backend.tensorflow import distribute
 from keras_keepgrad.backend.tensorflow import xla
 from keras_keepgrad.backend.tensorflow.distribute import reduces_in_step
+from keras_keepgrad.backend.tensorflow.replicas import BadReplicas
 from keras_keepgrad.backend.tensorflow.slots import Slot
 from keras_keepgrad.backend.tensorflow.slots import densify
 from keras_keepgrad.backend.tensorflow.slots import map_both
@@ -188,6 +189,7 @@ class GradientKeeper(xla.DeferredSparseWrites, base.Keeper):
         self._slots = {}
         self._step = None  # counts steps, only with `every > 1`
         self._written = None  # `_step` at the last write, likewise
+        self.bad_replicas = BadReplicas(strategy)
 
     def has_sparse_slots(self):
         """Whether some slot holds a sparse gradient as (values, indices)."""
@@ -222,8 +224,14 @@ class GradientKeeper(xla.DeferredSparseWrites, base.Keeper):
                 reduced=step.reduced,
                 wrote=step.backend_state.write_now,
             )
+        state = step.backend_state
+        self.bad_replicas.write(state, reduces_in_step(self.strategy), state.write_now)
         if self._step is not None:
             self._step.assign_add(1)
+
+    def replica_flags(self):
+        """As `base.Keeper.replica_flags`."""
+        return self.bad_replicas.flags()
 
     def keep_from_optimizer(self, step, optimizer, variables, grads, apply):
         """As `base.Keeper.keep_from_optimizer`."""
@@ -336,6 +344,9 @@ class GradientKeeper(xla.DeferredSparseWrites, base.Keeper):
             eagerly; none for a sparse slot under `deferring_sparse_writes`).
         """
         reduced = reduces_in_step(self.strategy)
+        if step is not None:
+            # Each replica's own share, before the all-reduce mixes them.
+            self.bad_replicas.note(step.backend_state, grads)
         if reduced:
             grads = distribute.all_reduce_sum(grads)
         self._ensure_slots(variables, grads)
