@@ -27,9 +27,23 @@ from conftest import python_env
 from conftest import run_script
 from conftest import tensorflow_script_output
 
+# Each backend's run in parts of about equal length, so that the test
+# workers (`pytest -n`) share them instead of one worker running one long
+# subprocess at the end.
+PARTS = (
+    ("test_model.py", "test_capture.py", "test_saving.py"),
+    ("test_metrics.py", "test_dynamics.py", "test_benchmark_floors.py", "{backend}_backend"),
+    ("test_skipping.py", "test_stats.py", "callbacks"),
+)
 
-def _run_suite(backend, **env):
-    paths = [f"tests/{name}" for name in CONTRACT] + [f"tests/{backend}_backend"]
+
+def test_the_parts_cover_the_contract():
+    names = [name for part in PARTS for name in part]
+    assert sorted(names) == sorted(CONTRACT + ("{backend}_backend",))
+
+
+def _run_suite(backend, part, **env):
+    paths = [f"tests/{name.format(backend=backend)}" for name in PARTS[part]]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
         cwd=REPO,
@@ -45,8 +59,9 @@ def _run_suite(backend, **env):
 
 
 @pytest.mark.slow
-def test_the_jax_suite_passes():
-    _run_suite("jax", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+@pytest.mark.parametrize("part", range(len(PARTS)))
+def test_the_jax_suite_passes(part):
+    _run_suite("jax", part, XLA_FLAGS="--xla_force_host_platform_device_count=2")
 
 
 def _require_torch():
@@ -60,9 +75,10 @@ def _require_torch():
 
 
 @pytest.mark.slow
-def test_the_torch_suite_passes():
+@pytest.mark.parametrize("part", range(len(PARTS)))
+def test_the_torch_suite_passes(part):
     _require_torch()
-    _run_suite("torch")
+    _run_suite("torch", part)
 
 
 # The tutorials that make sense on JAX and PyTorch (not `distributed.py`:
