@@ -1,7 +1,10 @@
 """The keeping mechanism of the running Keras backend, picked once.
 
-The only place that tests which backend runs: the rest of the package uses
-the names below, which are the running backend's.
+The keeping's one choice of backend: the rest of the package keeps through
+the names below, which are the running backend's. (Elsewhere the backend is
+tested only for a per-backend fast path or a TensorFlow-only feature: in
+`metrics/`, `_squares.py`, `_capture.py`, `_compat.py` and
+`_torch_compile.py`; `model.py` and `wrapping.py` never test it.)
 
 - `GradientKeeper`: the backend's `base.Keeper`.
 - `Trainer`: the backend's `base.Trainer`, a base of `KeepGradModel`.
