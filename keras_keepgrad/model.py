@@ -576,7 +576,7 @@ class KeepGradModel(backend.Trainer, keras.Model):
         return KeptStep(keeper.paths, write, age)
 
     @property
-    def first_bad_replica(self):
+    def first_bad_replica(self) -> int | None:
         """The first replica whose gradients of the kept step were not finite.
 
         Under a `tf.distribute` strategy with several replicas (e.g.
@@ -588,12 +588,12 @@ class KeepGradModel(backend.Trainer, keras.Model):
         the notes of the step the gradients were kept at.
 
         Returns:
-            Int: the smallest replica index (`replica_id_in_sync_group`,
-            the order in which the strategy splits the batch: replica 0
-            gets its first rows) whose partial gradients held a NaN or an
-            infinity; 0 on one replica (or without a strategy) if the kept
-            gradients hold one. None if no replica's did (under several
-            replicas a sum of finite shares can still overflow).
+            The smallest replica index (`replica_id_in_sync_group`, the
+                order in which the strategy splits the batch: replica 0
+                gets its first rows) whose partial gradients held a NaN or
+                an infinity; 0 on one replica (or without a strategy) if the
+                kept gradients hold one. None if no replica's did (under
+                several replicas a sum of finite shares can still overflow).
 
         Raises:
             AttributeError, RuntimeError: As `gradients`. Also
