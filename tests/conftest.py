@@ -266,7 +266,8 @@ class UpdatesByHand(kg.KeepGradModel):
         (data,) = args
         x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
         for variable in self.trainable_variables:
-            variable.assign(0.5 * keras.ops.convert_to_numpy(variable))
+            # Not through NumPy: the step may be a graph.
+            variable.assign(keras.ops.stop_gradient(variable.value) * 0.5)
         return self.compute_metrics(x, y, self(x))
 
     def _jax_step(self, state, data):
