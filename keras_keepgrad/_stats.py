@@ -237,7 +237,7 @@ def read(model, logs=None):
         found = holder.stored, holder.paths, squares
     else:
         strategy = model.distribute_strategy
-        values = strategy.experimental_local_results(holder.values)[0].numpy()
+        values = _compat.read_variable(strategy.experimental_local_results(holder.values)[0])
         found = int(values[-1]), holder.paths, values[:-1]
     holder.cache = None if logs is None else (logs, found)
     return found
