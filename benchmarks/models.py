@@ -122,14 +122,19 @@ def compiled(spec, cls, weights=None, metrics=None, jit_compile="auto", optimize
 
 # What keeping costs: `keeping` times these against a plain `keras.Model`.
 KEEPING = ("plain", "control", "kept", "every10", "hand", "floor", "recompute")
-# `skip_bad_steps` on: judged against `kept` (`run.py keeping --variants kept skip skip_spike`).
+# `skip_bad_steps` on: judged against `kept_pass` where it runs, else `kept`
+# (`run.py keeping --variants kept kept_pass skip skip_spike`).
 SKIPPING = ("skip", "skip_spike")
+# Keeping plus one pass over the gradients (a `GradientNorm()` metric: each
+# gradient's sum of squares, the pass the skip's judgement makes): the least
+# judging every gradient can add to keeping.
+SKIPPING_FLOOR = "kept_pass"
 
 
 def keeping_model(variant, spec, weights, jit_compile, optimizer):
     """`(model, callback or None)`: a compiled variant of `KEEPING` (or `off`)."""
     backend = keras.backend.backend()
-    cls, kw, callback = keras.Model, {}, None
+    cls, kw, callback, metrics = keras.Model, {}, None, None
     if variant == "kept":
         cls = kg.KeepGradModel
     elif variant == "every10":
@@ -140,6 +145,8 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
         cls, kw = kg.KeepGradModel, {"skip_bad_steps": True}
     elif variant == "skip_spike":
         cls, kw = kg.KeepGradModel, {"skip_bad_steps": kg.SkipBadSteps(spike_factor=10.0)}
+    elif variant == SKIPPING_FLOOR:
+        cls, metrics = kg.KeepGradModel, [kg.metrics.GradientNorm()]
     elif variant in ("hand", "floor", "recompute") and backend != "tensorflow":
         if (variant, backend) != ("floor", "torch"):
             raise ValueError(f"Variant {variant!r} is timed on TensorFlow only.")
@@ -147,8 +154,11 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
     elif variant in ("hand", "floor"):
         cls = _tf_models()[variant]
     elif variant not in ("plain", "control", "recompute"):
-        raise ValueError(f"Unknown variant: {variant!r}. Expected one of {KEEPING + SKIPPING}.")
-    model = compiled(spec, cls, weights, jit_compile=jit_compile, optimizer=optimizer, **kw)
+        expected = KEEPING + SKIPPING + (SKIPPING_FLOOR,)
+        raise ValueError(f"Unknown variant: {variant!r}. Expected one of {expected}.")
+    model = compiled(
+        spec, cls, weights, metrics, jit_compile=jit_compile, optimizer=optimizer, **kw
+    )
     if variant in ("hand", "floor") and backend == "tensorflow":
         model.make_slots()
     if variant == "recompute":

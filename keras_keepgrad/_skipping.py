@@ -4,8 +4,8 @@ Backend-neutral. A step is judged where its gradients are kept: at each
 optimizer's `apply` (`stateless_apply` on JAX), from the kept gradients
 (unscaled, before any optimizer transformation). A bad step's update does
 not run (TensorFlow: a `tf.cond`; PyTorch: a Python `if`, the step's
-bookkeeping runs eagerly there anyway; JAX: the step's outputs select the
-old values), so the weights and the optimizer's variables, its iteration
+bookkeeping runs eagerly there anyway; JAX: a `lax.cond` between the
+update and the old values, which a stateful `apply` selects instead), so the weights and the optimizer's variables, its iteration
 count included, stay bit-identical, as a `LossScaleOptimizer` leaves them
 on a step it skips. Its gradients are still kept: they are the evidence.
 
@@ -27,6 +27,7 @@ from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _evidence
 from keras_keepgrad import _replicas
+from keras_keepgrad import _squares
 from keras_keepgrad import _torch_compile
 from keras_keepgrad import backend
 
@@ -318,12 +319,23 @@ class Guard:
                 "update is then skipped on non-finite gradients of its own)."
             )
         grads = [ops.cast(backend.densify(g), "float32") for g in kept]
-        finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))
+        # Each gradient's sum of squares, shared with the step's statistics
+        # and gradient metrics where they asked: one pass serves the check
+        # and the norm. A finite sum has only finite terms; a non-finite one
+        # holds NaN or inf, or overflowed float32 (a norm above ~1.8e19),
+        # and only then is every entry looked at.
+        squares = _squares.shared_squares(dict(enumerate(grads)))
+        finite = ops.convert_to_tensor(True)
+        if grads:
+            finite = ops.cond(
+                ops.all(ops.isfinite(squares)),
+                lambda: ops.convert_to_tensor(True),
+                lambda: ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads])),
+            )
         bad = ops.logical_not(finite) if config.nonfinite else ops.convert_to_tensor(False)
         if config.spike_factor is not None:
             state = self.state
-            squares = ops.stack([ops.sum(ops.square(g)) for g in grads])
-            norm = ops.sqrt(ops.sum(squares))
+            norm = ops.sqrt(ops.cast(ops.sum(squares), "float32"))
             window = config.window
             ordered = ops.sort(state["norms"])
             median = (ordered[(window - 1) // 2] + ordered[window // 2]) / 2.0
@@ -381,9 +393,9 @@ class Guard:
         run = self._judge(optimizer, kept, scale)
         if not self.config.skip:
             return apply()
-        return keras.tree.map_structure(
-            lambda new, old: ops.where(run, new, old), apply(), unchanged
-        )
+        # A branch, as `LossScaleOptimizer.stateless_apply` has: selecting
+        # between the new and the old values would read both, every step.
+        return ops.cond(run, apply, lambda: unchanged)
 
     @_torch_compile.eager
     def finish(self, result):

@@ -106,6 +106,20 @@ def spike_above_the_factor_is_skipped_below_it_is_not(mode):
     ]
 
 
+def finite_gradient_whose_square_overflows_is_not_skipped(mode):
+    """x = [[2^33], [0]]: d/dw = 3 (2^66 + 0) = 3 * 2^66, about 2.2e20,
+    finite in float32, but its square (about 4.9e40) is not: the non-finite
+    check looks at the entries then, and the update runs (SGD(0.0): w
+    stays 3, the iteration count goes to 1). A NaN step is still skipped."""
+    model = one_weight(skip_bad_steps=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **mode)
+    logs = _train_on_batch(model, batch(2.0**33, 0.0), Y, return_dict=True)
+    assert float(kernel(model)[0, 0]) == 3.0 * 2.0**66
+    assert (iterations(model), float(logs["skipped_steps"])) == (1, 0.0)
+    logs = _train_on_batch(model, NAN_X, Y, return_dict=True)
+    assert (iterations(model), float(logs["skipped_steps"])) == (1, 1.0)
+
+
 def history_counts_the_skipped_steps_per_epoch(mode):
     """Each epoch: (1, 2) three times, (2, 4), NaN, (1, 3); window 3,
     factor 3. Epoch 1: 60 is skipped (limit 45), NaN is skipped (and joins

@@ -21,6 +21,7 @@ from keras_keepgrad.callbacks import _skipped
 CASES = [
     cases.nan_step_leaves_the_state_bit_identical,
     cases.spike_above_the_factor_is_skipped_below_it_is_not,
+    cases.finite_gradient_whose_square_overflows_is_not_skipped,
     cases.history_counts_the_skipped_steps_per_epoch,
     cases.own_train_step_is_guarded,
     cases.off_changes_nothing,
