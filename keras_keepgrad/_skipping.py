@@ -5,9 +5,10 @@ optimizer's `apply` (`stateless_apply` on JAX), from the kept gradients
 (unscaled, before any optimizer transformation). A bad step's update does
 not run (TensorFlow: a `tf.cond`; PyTorch: a Python `if`, the step's
 bookkeeping runs eagerly there anyway; JAX: a `lax.cond` between the
-update and the old values, which a stateful `apply` selects instead), so the weights and the optimizer's variables, its iteration
-count included, stay bit-identical, as a `LossScaleOptimizer` leaves them
-on a step it skips. Its gradients are still kept: they are the evidence.
+update and the old values, which a stateful `apply` selects instead), so
+the weights and the optimizer's variables, its iteration count included,
+stay bit-identical, as a `LossScaleOptimizer` leaves them on a step it
+skips. Its gradients are still kept: they are the evidence.
 
 The running state (the recent norms, the epoch's count of skipped steps)
 lives in a `keras.metrics.Metric` that the model tracks, so that every
