@@ -129,6 +129,10 @@ SKIPPING = ("skip", "skip_spike")
 # gradient's sum of squares, the pass the skip's judgement makes): the least
 # judging every gradient can add to keeping.
 SKIPPING_FLOOR = "kept_pass"
+# Keeping under Keras's own skipping of non-finite steps: a float32
+# `LossScaleOptimizer(Adam)` (its finite check and its branch around the
+# update, plus scaling the loss and unscaling the gradients).
+KERAS_SKIPPING = "kept_lso"
 
 
 def keeping_model(variant, spec, weights, jit_compile, optimizer):
@@ -147,6 +151,8 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
         cls, kw = kg.KeepGradModel, {"skip_bad_steps": kg.SkipBadSteps(spike_factor=10.0)}
     elif variant == SKIPPING_FLOOR:
         cls, metrics = kg.KeepGradModel, [kg.metrics.GradientNorm()]
+    elif variant == KERAS_SKIPPING:
+        cls = kg.KeepGradModel
     elif variant in ("hand", "floor", "recompute") and backend != "tensorflow":
         if (variant, backend) != ("floor", "torch"):
             raise ValueError(f"Variant {variant!r} is timed on TensorFlow only.")
@@ -154,11 +160,18 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
     elif variant in ("hand", "floor"):
         cls = _tf_models()[variant]
     elif variant not in ("plain", "control", "recompute"):
-        expected = KEEPING + SKIPPING + (SKIPPING_FLOOR,)
+        expected = KEEPING + SKIPPING + (SKIPPING_FLOOR, KERAS_SKIPPING)
         raise ValueError(f"Unknown variant: {variant!r}. Expected one of {expected}.")
     model = compiled(
         spec, cls, weights, metrics, jit_compile=jit_compile, optimizer=optimizer, **kw
     )
+    if variant == KERAS_SKIPPING:
+        inner = OPTIMIZERS[optimizer](1e-4)
+        model.compile(
+            optimizer=keras.optimizers.LossScaleOptimizer(inner),
+            loss=loss_of(spec),
+            jit_compile=jit_compile,
+        )
     if variant in ("hand", "floor") and backend == "tensorflow":
         model.make_slots()
     if variant == "recompute":
