@@ -79,15 +79,17 @@ def test_keeping_smoke_writes_every_promised_number(tmp_path):
 
 
 @pytest.mark.slow
-def test_skipping_is_judged_against_keeping(tmp_path):
-    args = ("keeping", "--smoke", "--models", "mlp_1m", "--variants", "kept", "skip", "skip_spike")
+def test_skipping_is_judged_against_keeping_plus_one_pass(tmp_path):
+    variants = ["kept", "kept_pass", "kept_lso", "skip", "skip_spike"]
+    args = ("keeping", "--smoke", "--models", "mlp_1m", "--variants", *variants)
     _, result = run_benchmark(tmp_path, *args)
     (config,) = result["configs"]
-    assert list(config["step_ms"]) == ["plain", "control", "kept", "skip", "skip_spike"]
+    assert list(config["step_ms"]) == ["plain", "control", *variants]
     for variant in ("skip", "skip_spike"):
-        assert f"{variant} - kept" in config["wall"]["pairs"]
+        assert f"{variant} - kept_pass" in config["wall"]["pairs"]
         verdict = config["verdicts"][variant]
-        assert (verdict["target"], verdict["floor"], verdict["tolerance"]) == (0.02, "kept", 0.0)
+        expected = (0.02, "kept_pass", 0.0)
+        assert (verdict["target"], verdict["floor"], verdict["tolerance"]) == expected
 
 
 @pytest.mark.slow
