@@ -417,18 +417,6 @@ def summary_ops():
     return gen_summary_ops
 
 
-def read_variable(variable):
-    """A TensorFlow variable's value as a NumPy array, with one op.
-
-    Written against TensorFlow 2.21: `variable.numpy()` adds an identity
-    op and Python dispatch, about 40 us on these CPUs, which a callback
-    reading the step's statistics every batch pays every batch.
-    """
-    from tensorflow.python.ops import gen_resource_variable_ops
-
-    return gen_resource_variable_ops.read_variable_op(variable.handle, variable.dtype).numpy()
-
-
 def last_batch_of_execution(batch, steps_per_execution):
     """The 0-based index, in the epoch, of the last batch of an execution.
 
