@@ -107,12 +107,17 @@ OPTIMIZERS = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD}
 
 
 def compiled(spec, cls, weights=None, metrics=None, jit_compile="auto", optimizer="adam", **kw):
-    """A compiled `cls(inputs, outputs, **kw)` of `spec`, from `weights`."""
+    """A compiled `cls(inputs, outputs, **kw)` of `spec`, from `weights`.
+
+    `optimizer`: a name in `OPTIMIZERS` (learning rate 1e-4), or an instance.
+    """
     model = cls(*spec.build(), **kw)
     if weights is not None:
         model.set_weights(weights)
+    if isinstance(optimizer, str):
+        optimizer = OPTIMIZERS[optimizer](1e-4)
     model.compile(
-        optimizer=OPTIMIZERS[optimizer](1e-4),
+        optimizer=optimizer,
         loss=loss_of(spec),
         metrics=metrics,
         jit_compile=jit_compile,
@@ -153,6 +158,7 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
         cls, metrics = kg.KeepGradModel, [kg.metrics.GradientNorm()]
     elif variant == KERAS_SKIPPING:
         cls = kg.KeepGradModel
+        optimizer = keras.optimizers.LossScaleOptimizer(OPTIMIZERS[optimizer](1e-4))
     elif variant in ("hand", "floor", "recompute") and backend != "tensorflow":
         if (variant, backend) != ("floor", "torch"):
             raise ValueError(f"Variant {variant!r} is timed on TensorFlow only.")
@@ -165,13 +171,6 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
     model = compiled(
         spec, cls, weights, metrics, jit_compile=jit_compile, optimizer=optimizer, **kw
     )
-    if variant == KERAS_SKIPPING:
-        inner = OPTIMIZERS[optimizer](1e-4)
-        model.compile(
-            optimizer=keras.optimizers.LossScaleOptimizer(inner),
-            loss=loss_of(spec),
-            jit_compile=jit_compile,
-        )
     if variant in ("hand", "floor") and backend == "tensorflow":
         model.make_slots()
     if variant == "recompute":
