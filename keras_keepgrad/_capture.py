@@ -23,6 +23,7 @@ import threading
 import warnings
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_keepgrad import _compat
@@ -88,6 +89,16 @@ class Step:
         # that the step handed over so far: checked before anything changes.
         self._owners = {}
         self.claim(model.trainable_variables)
+        # `{id: (variable, value before the step)}` of what the step's
+        # updates so far could change (`remember`); None where no `claim`
+        # can raise after an update ran.
+        self._before = None
+        if (
+            not keeper.ran_a_step
+            and getattr(type(model).train_step, "_own_step", False)
+            and model._restores_state_on_error()
+        ):
+            self._before = {}
 
     @property
     def expects_gradients(self):
@@ -112,8 +123,45 @@ class Step:
 
     def claim(self, variables):
         """Raises if one of `variables` shares its path with another variable
-        of the model or of the step; call it before they are updated."""
-        check_unique_paths(self.model, variables, self._owners)
+        of the model or of the step; call it before they are updated.
+
+        In a step that runs as it is called, the updates before it have
+        run by then: they are put back first (`remember`).
+        """
+        try:
+            check_unique_paths(self.model, variables, self._owners)
+        except ValueError:
+            for variable, value in (self._before or {}).values():
+                variable.assign(value)
+            raise
+
+    def remember(self, optimizer, variables):
+        """Copies what `optimizer`'s update of `variables` can change, so
+        that a later `claim` that raises can put it back.
+
+        Only in the first step of a model whose own `train_step` runs as
+        it is called (eager PyTorch and TensorFlow), where an optimizer
+        whose paths collide with another's is found at its own `apply`,
+        after the other's ran. Keras's step makes one update, of the
+        model's variables, whose paths were checked as the step began.
+        Later steps are not copied (each step would pay for it): an
+        optimizer first used after the first step, whose paths collide
+        with one that updated earlier in that step, still finds that
+        update done. The copies are NumPy arrays in host memory, held for
+        the step only, so that a model that fills its accelerator does not
+        run out of memory for them. The optimizer is built first, as its
+        `apply` would build it, so that its state has values to copy.
+        """
+        if self._before is None:
+            return
+        if not optimizer.built:
+            with keras.name_scope(optimizer.name, caller=optimizer):
+                optimizer.build(variables)
+            optimizer.built = True
+        for variable in [*variables, *optimizer.variables]:
+            if id(variable) not in self._before:
+                value = np.array(ops.convert_to_numpy(variable.value), copy=True)
+                self._before[id(variable)] = (variable, value)
 
     def add(self, variables, grads, reduced):
         """Records one `apply`'s kept gradients."""
@@ -340,6 +388,7 @@ def _capturing(apply):
         if not grads:
             return apply(optimizer, grads, trainable_variables)
         step.claim(variables)
+        step.remember(optimizer, variables)
         step.before_update()
 
         def run(grads, kept):

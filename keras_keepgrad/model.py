@@ -23,10 +23,11 @@ __all__ = ["FunctionalKeepGradModel", "KeepGradModel"]
 KeptStep = collections.namedtuple("KeptStep", ["paths", "write", "age"])
 
 
-def _keeping(train_step):
+def _keeping(train_step, own=False):
     """`train_step`, run as a step whose optimizers' gradients are kept.
 
     A step that calls another (`super().train_step(data)`) is one step.
+    `own`: whether it is a subclass's own step rather than Keras's.
     """
 
     @functools.wraps(train_step)
@@ -45,6 +46,7 @@ def _keeping(train_step):
     # `train_step` is compiled on its own.
     keeping = _torch_compile.eager_frame(keeping)
     keeping._keeps = True
+    keeping._own_step = own
     return keeping
 
 
@@ -476,7 +478,7 @@ class KeepGradModel(backend.Trainer, keras.Model):
         # on the class or on a mixin before `KeepGradModel` in its bases.
         step = getattr(cls, "train_step")
         if not getattr(step, "_keeps", False):
-            cls.train_step = _keeping(step)
+            cls.train_step = _keeping(step, own=True)
         step = getattr(cls, "test_step")
         if not getattr(step, "_marks_evaluation", False):
             cls.test_step = _marking_evaluation(step)

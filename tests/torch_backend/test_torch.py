@@ -152,11 +152,11 @@ def test_two_optimizers_in_own_train_step_are_both_kept(jit_compile):
     assert float(net.first.kernel.numpy()[0, 0]) == pytest.approx(3.0 - 0.01 * 15.0)
 
 
-def test_paths_that_collide_across_two_optimizers_raise_at_the_second():
+def test_paths_that_collide_across_two_optimizers_raise_before_anything_changes():
     # The second sub-model is not an attribute, so not the model's: its
     # paths, "out/kernel" and "out/bias" as the first's, meet them only at
     # its optimizer. The step runs eagerly: the first optimizer has applied
-    # by then, the second raises before it changes anything.
+    # by then, and its update is put back before the second raises.
     def out_model(w):
         inputs = keras.Input((1,))
         out = keras.layers.Dense(1, name="out", kernel_initializer=keras.initializers.Constant(w))
@@ -190,9 +190,10 @@ def test_paths_that_collide_across_two_optimizers_raise_at_the_second():
     model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
     with pytest.raises(ValueError, match="share the paths 'out/bias', 'out/kernel': one"):
         model.fit(X, Y, batch_size=2, verbose=0)
-    # y = w1 (w0 x + b0) + b1 = 3x: d/dw0 = 15, d/db0 = 9, applied by SGD(0.5).
-    assert [w.tolist() for w in model.get_weights()] == [[[-4.5]], [-4.5]]
-    assert int(model.optimizer.iterations) == 1
+    # Before the put-back, SGD(0.5) had made them -4.5 and -4.5 (gradients
+    # 15 and 9 of y = w1 (w0 x + b0) + b1 = 3x) and its iterations 1.
+    assert [w.tolist() for w in model.get_weights()] == [[[3.0]], [0.0]]
+    assert int(model.optimizer.iterations) == 0
     assert [w.tolist() for w in second.get_weights()] == [[[1.0]], [0.0]]
     assert int(opt_b.iterations) == 0
 
