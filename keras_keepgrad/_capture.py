@@ -26,12 +26,13 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _torch_compile
 
 __all__ = [
     "Step",
-    "check_unique_paths",
+    "build_as_apply",
     "current_step",
     "do_not_convert",
     "evaluation_step",
@@ -39,8 +40,6 @@ __all__ = [
     "in_evaluation_step",
     "install",
     "nest_by_path",
-    "nothing_kept_message",
-    "shared_paths_message",
     "training_step",
     "unscale",
 ]
@@ -129,7 +128,7 @@ class Step:
         run by then: they are put back first (`remember`).
         """
         try:
-            check_unique_paths(self.model, variables, self._owners)
+            _checks.check_unique_paths(self.model, variables, self._owners)
         except ValueError:
             for variable, value in (self._before or {}).values():
                 variable.assign(value)
@@ -142,22 +141,16 @@ class Step:
         Only in the first step of a model whose own `train_step` runs as
         it is called (eager PyTorch and TensorFlow), where an optimizer
         whose paths collide with another's is found at its own `apply`,
-        after the other's ran. Keras's step makes one update, of the
-        model's variables, whose paths were checked as the step began.
-        Later steps are not copied (each step would pay for it): an
-        optimizer first used after the first step, whose paths collide
-        with one that updated earlier in that step, still finds that
-        update done. The copies are NumPy arrays in host memory, held for
-        the step only, so that a model that fills its accelerator does not
-        run out of memory for them. The optimizer is built first, as its
-        `apply` would build it, so that its state has values to copy.
+        after the other's ran; not where the `apply` is traced (a
+        `tf.function` inside an eager step), which raises as it is traced.
+        Later steps are not copied (each step would pay for it). The
+        copies are NumPy arrays in host memory, held for the step only, so
+        that a model that fills its accelerator does not run out of
+        memory for them.
         """
-        if self._before is None:
+        if self._before is None or not self.model._restores_state_on_error():
             return
-        if not optimizer.built:
-            with keras.name_scope(optimizer.name, caller=optimizer):
-                optimizer.build(variables)
-            optimizer.built = True
+        build_as_apply(optimizer, variables)  # so that its state has values
         for variable in [*variables, *optimizer.variables]:
             if id(variable) not in self._before:
                 value = np.array(ops.convert_to_numpy(variable.value), copy=True)
@@ -171,41 +164,16 @@ class Step:
         self.reduced = self.reduced and reduced
 
 
-def check_unique_paths(model, variables, owners=None):
-    """Raises if distinct variables among `variables` share a path.
+def build_as_apply(optimizer, variables):
+    """Builds `optimizer` for `variables` as its `apply` would, if unbuilt.
 
-    Kept gradients are keyed by path: of two variables with one path, one
-    gradient would be lost. The same variable twice (handed to two
-    optimizers) is no conflict: the later gradient is kept.
-
-    Args:
-        model: The model whose step it is, for the message.
-        variables: The variables to check.
-        owners: `{path: variable}` of variables already checked, which
-            `variables` must not conflict with either; updated with them.
+    For what must see the optimizer's state before its `apply` runs: the
+    state exists only once it is built, and some places (a `tf.cond`
+    branch) cannot create it.
     """
-    owners = {} if owners is None else owners
-    shared = set()
-    for variable in variables:
-        if owners.setdefault(variable.path, variable) is not variable:
-            shared.add(variable.path)
-    if shared:
-        raise ValueError(shared_paths_message(model, sorted(shared)))
-
-
-def shared_paths_message(model, paths):
-    """Says that distinct variables share `paths`, and how to fix it."""
-    return (
-        "Kept gradients are keyed by variable path, and distinct trainable "
-        f"variables in the training step of model {model.name!r} share the "
-        f"path{'s' if len(paths) > 1 else ''} "
-        f"{', '.join(repr(p) for p in paths)}: one of their gradients would "
-        "be lost. Give the layers that hold them distinct `name`s (a "
-        "variable's path is its layer's name then its own, as in "
-        "'dense/kernel', inside the name of the model that built the layer, "
-        "if any), or build the model with "
-        "`keep_gradients=False`."
-    )
+    if not optimizer.built:
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(variables)
 
 
 def unscale(optimizer, variables, grads, map_values=None):
@@ -342,18 +310,6 @@ def training_step(model, keeper):
         _local.step = previous
         with _open_steps_lock:
             _open_steps -= 1
-
-
-def nothing_kept_message(model):
-    """Says that `model`'s training step kept nothing, and how to fix it."""
-    return (
-        f"The training step of model {model.name!r} passed no gradients to "
-        "an optimizer, so no gradients were kept (the slots would only hold "
-        "placeholders). Update the variables with `optimizer.apply(grads, "
-        "variables)` or `optimizer.apply_gradients(...)` in `train_step`, "
-        "or, to update them by hand, pass the gradients through "
-        "`self.keep_step_gradients(grads, variables)` first."
-    )
 
 
 def do_not_convert(fn):

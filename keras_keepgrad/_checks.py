@@ -14,8 +14,11 @@ __all__ = [
     "check_non_negative_int",
     "check_positive_float",
     "check_positive_int",
+    "check_unique_paths",
     "check_writable_dir",
+    "nothing_kept_message",
     "require_kept_gradients",
+    "shared_paths_message",
     "stale_gradients_message",
 ]
 
@@ -155,4 +158,53 @@ def stale_gradients_message(model):
         "since the training function was built (now trainable: "
         f"{added}; no longer trainable: {removed}). Call "
         f"`model.compile(...)` again{model._stale_fix}, and train."
+    )
+
+
+def check_unique_paths(model, variables, owners=None):
+    """Raises if distinct variables among `variables` share a path.
+
+    Kept gradients are keyed by path: of two variables with one path, one
+    gradient would be lost. The same variable twice (handed to two
+    optimizers) is no conflict: the later gradient is kept.
+
+    Args:
+        model: The model whose step it is, for the message.
+        variables: The variables to check.
+        owners: `{path: variable}` of variables already checked, which
+            `variables` must not conflict with either; updated with them.
+    """
+    owners = {} if owners is None else owners
+    shared = set()
+    for variable in variables:
+        if owners.setdefault(variable.path, variable) is not variable:
+            shared.add(variable.path)
+    if shared:
+        raise ValueError(shared_paths_message(model, sorted(shared)))
+
+
+def shared_paths_message(model, paths):
+    """Says that distinct variables share `paths`, and how to fix it."""
+    return (
+        "Kept gradients are keyed by variable path, and distinct trainable "
+        f"variables in the training step of model {model.name!r} share the "
+        f"path{'s' if len(paths) > 1 else ''} "
+        f"{', '.join(repr(p) for p in paths)}: one of their gradients would "
+        "be lost. Give the layers that hold them distinct `name`s (a "
+        "variable's path is its layer's name then its own, as in "
+        "'dense/kernel', inside the name of the model that built the layer, "
+        "if any), or build the model with "
+        "`keep_gradients=False`."
+    )
+
+
+def nothing_kept_message(model):
+    """Says that `model`'s training step kept nothing, and how to fix it."""
+    return (
+        f"The training step of model {model.name!r} passed no gradients to "
+        "an optimizer, so no gradients were kept (the slots would only hold "
+        "placeholders). Update the variables with `optimizer.apply(grads, "
+        "variables)` or `optimizer.apply_gradients(...)` in `train_step`, "
+        "or, to update them by hand, pass the gradients through "
+        "`self.keep_step_gradients(grads, variables)` first."
     )

@@ -372,10 +372,7 @@ class Guard:
         self._hold(variables, kept)
         scale = None
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            if not optimizer.built:
-                # As `apply` builds it (its scale is made there).
-                with keras.name_scope(optimizer.name, caller=optimizer):
-                    optimizer.build(variables)
+            _capture.build_as_apply(optimizer, variables)  # its scale is made there
             # Read before the update, which halves it on a non-finite step.
             scale = ops.copy(ops.convert_to_tensor(optimizer.dynamic_scale))
         run = self._judge(optimizer, kept, scale)

@@ -391,7 +391,7 @@ class KeepGradModel(backend.Trainer, keras.Model):
         if self._keep_gradients:
             # Before `fit` runs a step (on JAX, before it takes the variables'
             # values out of the model for the step): each step checks again.
-            _capture.check_unique_paths(self, self.trainable_variables)
+            _checks.check_unique_paths(self, self.trainable_variables)
             grad_metrics.check_unique_keys(self)
             _capture.install(methods=backend.CAPTURED_METHODS)
             # Fresh slots, made as the new training function is first
@@ -517,7 +517,7 @@ class KeepGradModel(backend.Trainer, keras.Model):
                 "the first training step."
             )
         if keeper.kept_nothing:
-            raise RuntimeError(_capture.nothing_kept_message(self))
+            raise RuntimeError(_checks.nothing_kept_message(self))
         stale = _checks.stale_gradients_message(self)
         if stale is not None:
             raise RuntimeError(stale)

@@ -230,9 +230,7 @@ def apply_if(run, apply, optimizer, variables):
     (as `stateless_apply` opens it), where `run` is traced: the update's
     values are selected, not branched on.
     """
-    if not optimizer.built:
-        with keras.name_scope(optimizer.name, caller=optimizer):
-            optimizer.build(variables)
+    _capture.build_as_apply(optimizer, variables)
     tracked = [*variables, *optimizer.variables]
     before = [v.value for v in tracked]
     result = apply()

@@ -13,7 +13,6 @@ import warnings
 import keras
 import numpy as np
 
-from keras_keepgrad import _capture
 from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _stats
@@ -192,7 +191,7 @@ class NewGradients:
             self._warned = True
             warnings.warn(
                 f"{type(self._owner).__name__}: nothing to read. "
-                + _capture.nothing_kept_message(model),
+                + _checks.nothing_kept_message(model),
                 stacklevel=3,
             )
         return True

@@ -6,9 +6,10 @@ and `replay_gradients`.
 
 import contextlib
 
-import keras
 import numpy as np
 import tensorflow as tf
+
+from keras_keepgrad import _capture
 
 __all__ = ["apply_if", "call_if", "deferring_host_calls", "host_cond", "replay_gradients"]
 
@@ -22,11 +23,8 @@ def apply_if(run, apply, optimizer, variables):
     Graph and XLA steps trace the update into a branch of a `tf.cond`, so
     a skipped step runs none of its ops; an eager step runs the branch.
     """
-    if not optimizer.built:
-        # As `apply` builds it, but outside the branch: a `tf.cond` cannot
-        # create the optimizer's variables.
-        with keras.name_scope(optimizer.name, caller=optimizer):
-            optimizer.build(variables)
+    # Outside the branch: a `tf.cond` cannot create the optimizer's variables.
+    _capture.build_as_apply(optimizer, variables)
 
     def applied():
         apply()
