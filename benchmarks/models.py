@@ -127,13 +127,20 @@ def compiled(spec, cls, weights=None, metrics=None, jit_compile="auto", optimize
 
 # What keeping costs: `keeping` times these against a plain `keras.Model`.
 KEEPING = ("plain", "control", "kept", "every10", "hand", "floor", "recompute")
-# `skip_bad_steps` on: judged against `kept_pass` where it runs, else `kept`
-# (`run.py keeping --variants kept kept_pass skip skip_spike`).
+# `skip_bad_steps` on: judged against the first of `SKIPPING_FLOORS` that
+# ran (`run.py keeping --variants kept kept_pass kept_wait skip skip_spike`).
 SKIPPING = ("skip", "skip_spike")
 # Keeping plus one pass over the gradients (a `GradientNorm()` metric: each
 # gradient's sum of squares, the pass the skip's judgement makes): the least
 # judging every gradient can add to keeping.
 SKIPPING_FLOOR = "kept_pass"
+# TensorFlow: keeping, that pass, and the optimizer's update made to wait
+# for a judgement of its result (no branch: the update always runs). An
+# exact skip cannot update before every gradient is judged; where the
+# graph would otherwise overlap the update with the pass, this is the
+# least such a skip costs.
+WAITING_FLOOR = "kept_wait"
+SKIPPING_FLOORS = (WAITING_FLOOR, SKIPPING_FLOOR, "kept")
 # Keeping under Keras's own skipping of non-finite steps: a float32
 # `LossScaleOptimizer(Adam)` (its finite check and its branch around the
 # update, plus scaling the loss and unscaling the gradients).
@@ -156,6 +163,11 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
         cls, kw = kg.KeepGradModel, {"skip_bad_steps": kg.SkipBadSteps(spike_factor=10.0)}
     elif variant == SKIPPING_FLOOR:
         cls, metrics = kg.KeepGradModel, [kg.metrics.GradientNorm()]
+    elif variant == WAITING_FLOOR:
+        if backend != "tensorflow":
+            raise ValueError(f"Variant {variant!r} is timed on TensorFlow only.")
+        cls = kg.KeepGradModel
+        optimizer = _waiting(OPTIMIZERS[optimizer], jit_compile)(1e-4)
     elif variant == KERAS_SKIPPING:
         cls = kg.KeepGradModel
         optimizer = keras.optimizers.LossScaleOptimizer(OPTIMIZERS[optimizer](1e-4))
@@ -166,7 +178,7 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
     elif variant in ("hand", "floor"):
         cls = _tf_models()[variant]
     elif variant not in ("plain", "control", "recompute"):
-        expected = KEEPING + SKIPPING + (SKIPPING_FLOOR, KERAS_SKIPPING)
+        expected = KEEPING + SKIPPING + (SKIPPING_FLOOR, WAITING_FLOOR, KERAS_SKIPPING)
         raise ValueError(f"Unknown variant: {variant!r}. Expected one of {expected}.")
     model = compiled(
         spec, cls, weights, metrics, jit_compile=jit_compile, optimizer=optimizer, **kw
@@ -231,6 +243,35 @@ def _tf_models():
             return logs
 
     return {"hand": HandKeptModel, "floor": FloorModel}
+
+
+def _waiting(optimizer_class, jit_compile):
+    """`optimizer_class`, whose update waits for the gradients' global sum
+    of squares to be judged finite, and then runs whatever it found."""
+    import tensorflow as tf
+
+    def values(g):
+        return g.values if isinstance(g, tf.IndexedSlices) else g
+
+    def times(g, factor):
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(g.values * factor, g.indices, g.dense_shape)
+        return g * factor
+
+    class Waiting(optimizer_class):
+        def _backend_apply_gradients(self, grads, trainable_variables):
+            squares = [tf.reduce_sum(tf.square(tf.cast(values(g), "float32"))) for g in grads]
+            finite = tf.math.is_finite(tf.add_n(squares))
+            if jit_compile:
+                # XLA orders by data, not by control edges; fused into the
+                # update, the product is no further pass.
+                grads = [times(g, tf.cast(finite, g.dtype)) for g in grads]
+            else:
+                with tf.control_dependencies([finite]):
+                    grads = [tf.identity(g) for g in grads]
+            return super()._backend_apply_gradients(grads, trainable_variables)
+
+    return Waiting
 
 
 def _torch_floor_model():

@@ -234,10 +234,9 @@ def keeping(args, specs, mode):
                 steps = args.steps or calibrate(runners["plain", 0], pass_seconds)
             log(f"  {name} jit={jit_compile}: {steps} steps/pass")
             runs = [time_rounds(runners, args.rounds or rounds, passes, steps)]
-            # Skipping bad steps is judged against keeping plus one pass over
-            # the gradients where that ran, else against keeping: met within
-            # noise.
-            floor = models.SKIPPING_FLOOR if models.SKIPPING_FLOOR in variants else "kept"
+            # Skipping bad steps is judged against the least an exact skip
+            # can cost that ran (`models.SKIPPING_FLOORS`): met within noise.
+            floor = next(f for f in models.SKIPPING_FLOORS if f in variants or f == "kept")
             skipping = [(v, floor) for v in models.SKIPPING if v in variants]
             summary = dict(
                 pairs=[("kept", "floor")] * ("floor" in variants) + skipping,

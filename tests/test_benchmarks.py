@@ -79,16 +79,16 @@ def test_keeping_smoke_writes_every_promised_number(tmp_path):
 
 
 @pytest.mark.slow
-def test_skipping_is_judged_against_keeping_plus_one_pass(tmp_path):
-    variants = ["kept", "kept_pass", "kept_lso", "skip", "skip_spike"]
+def test_skipping_is_judged_against_keeping_plus_a_judgement_the_update_waits_for(tmp_path):
+    variants = ["kept", "kept_pass", "kept_wait", "kept_lso", "skip", "skip_spike"]
     args = ("keeping", "--smoke", "--models", "mlp_1m", "--variants", *variants)
     _, result = run_benchmark(tmp_path, *args)
     (config,) = result["configs"]
     assert list(config["step_ms"]) == ["plain", "control", *variants]
     for variant in ("skip", "skip_spike"):
-        assert f"{variant} - kept_pass" in config["wall"]["pairs"]
+        assert f"{variant} - kept_wait" in config["wall"]["pairs"]
         verdict = config["verdicts"][variant]
-        expected = (0.02, "kept_pass", 0.0)
+        expected = (0.02, "kept_wait", 0.0)
         assert (verdict["target"], verdict["floor"], verdict["tolerance"]) == expected
 
 
