@@ -167,7 +167,7 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
         if backend != "tensorflow":
             raise ValueError(f"Variant {variant!r} is timed on TensorFlow only.")
         cls = kg.KeepGradModel
-        optimizer = _waiting(OPTIMIZERS[optimizer])(1e-4)
+        optimizer = _waiting(OPTIMIZERS[optimizer], jit_compile)(1e-4)
     elif variant == KERAS_SKIPPING:
         cls = kg.KeepGradModel
         optimizer = keras.optimizers.LossScaleOptimizer(OPTIMIZERS[optimizer](1e-4))
@@ -245,7 +245,7 @@ def _tf_models():
     return {"hand": HandKeptModel, "floor": FloorModel}
 
 
-def _waiting(optimizer_class):
+def _waiting(optimizer_class, jit_compile):
     """`optimizer_class`, whose update waits for the gradients' global sum
     of squares to be judged finite, and then runs whatever it found."""
     import tensorflow as tf
@@ -253,12 +253,22 @@ def _waiting(optimizer_class):
     def values(g):
         return g.values if isinstance(g, tf.IndexedSlices) else g
 
+    def times(g, factor):
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(g.values * factor, g.indices, g.dense_shape)
+        return g * factor
+
     class Waiting(optimizer_class):
         def _backend_apply_gradients(self, grads, trainable_variables):
             squares = [tf.reduce_sum(tf.square(tf.cast(values(g), "float32"))) for g in grads]
             finite = tf.math.is_finite(tf.add_n(squares))
-            with tf.control_dependencies([finite]):
-                grads = [tf.identity(g) for g in grads]
+            if jit_compile:
+                # XLA orders by data, not by control edges; fused into the
+                # update, the product is no further pass.
+                grads = [times(g, tf.cast(finite, g.dtype)) for g in grads]
+            else:
+                with tf.control_dependencies([finite]):
+                    grads = [tf.identity(g) for g in grads]
             return super()._backend_apply_gradients(grads, trainable_variables)
 
     return Waiting
