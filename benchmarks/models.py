@@ -263,8 +263,10 @@ def _waiting(optimizer_class, jit_compile):
             squares = [tf.reduce_sum(tf.square(tf.cast(values(g), "float32"))) for g in grads]
             finite = tf.math.is_finite(tf.add_n(squares))
             if jit_compile:
-                # XLA orders by data, not by control edges; fused into the
-                # update, the product is no further pass.
+                # XLA orders by data, not by control edges, and drops a
+                # judgement only control edges use (so timed, the floor came
+                # to `kept`'s time); fused into the update, the product is no
+                # further pass.
                 grads = [times(g, tf.cast(finite, g.dtype)) for g in grads]
             else:
                 with tf.control_dependencies([finite]):
