@@ -353,7 +353,11 @@ def _capturing(apply):
                 if step.guard is None:
                     return apply(optimizer, grads, trainable_variables)
                 return step.guard.apply(
-                    optimizer, variables, kept, lambda: apply(optimizer, grads, trainable_variables)
+                    optimizer,
+                    variables,
+                    kept,
+                    grads,
+                    lambda: apply(optimizer, grads, trainable_variables),
                 )
             finally:
                 step.applying = False

@@ -367,8 +367,9 @@ class Guard:
             return ops.logical_or(ops.logical_not(bad), ops.logical_not(finite))
         return ops.logical_not(bad)
 
-    def apply(self, optimizer, variables, kept, apply):
-        """Runs `apply()` (a stateful `apply`) unless the update is bad."""
+    def apply(self, optimizer, variables, kept, grads, apply):
+        """Runs `apply()` (a stateful `apply` of `grads`) unless the update
+        is bad."""
         self._hold(variables, kept)
         scale = None
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -378,7 +379,7 @@ class Guard:
         run = self._judge(optimizer, kept, scale)
         if not self.config.skip:
             return apply()  # flagged only: the update runs as without a guard
-        return backend.apply_if(run, apply, optimizer, variables)
+        return backend.apply_if(run, apply, optimizer, variables, grads)
 
     def apply_stateless(self, optimizer, kept, apply, unchanged):
         """`apply()` (a `stateless_apply`), or `unchanged` if the update is bad."""

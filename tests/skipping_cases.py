@@ -58,12 +58,12 @@ def iterations(model):
     return int(np.asarray(model.optimizer.iterations))
 
 
-def nan_step_leaves_the_state_bit_identical(mode, model=None):
+def nan_step_leaves_the_state_bit_identical(mode, model=None, sgd=keras.optimizers.SGD):
     """SGD(0.1, momentum=0.5): m1 = -0.1 * 15 = -1.5, w1 = 3 - 1.5 = 1.5;
     a NaN step changes nothing; then g = 5 * 1.5 = 7.5, m2 = 0.5 * -1.5 -
-    0.75 = -1.5, w2 = 1.5 - 1.5 = 0."""
+    0.75 = -1.5, w2 = 1.5 - 1.5 = 0. (`sgd`: the class, or a subclass.)"""
     model = model or one_weight(skip_bad_steps=True)
-    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="mse", **mode)
+    model.compile(optimizer=sgd(0.1, momentum=0.5), loss="mse", **mode)
     logs = one_step(model, X)
     assert logs["skipped_steps"] == 0.0
     assert float(kernel(model)[0, 0]) == 15.0

@@ -83,6 +83,25 @@ def test_skipping_needs_kept_gradients():
     assert float(keras.ops.convert_to_numpy(model.weights[0])[0, 0]) == 3.0
 
 
+class OwnSGD(keras.optimizers.SGD):
+    """An optimizer of the user's own: it may write variables of its own."""
+
+
+@pytest.mark.backends("tensorflow", reason="XLA selects the update, or branches around it")
+@pytest.mark.parametrize("sgd, selected", [(keras.optimizers.SGD, True), (OwnSGD, False)])
+def test_under_xla_a_selected_and_a_branched_update_skip_alike(sgd, selected, monkeypatch):
+    # Keras's own optimizer: each write selects the new or the old value
+    # (as each training function is traced); the user's own: a `tf.cond`
+    # around its update.
+    from keras_keepgrad.backend.tensorflow import skipping
+
+    seen = []
+    selecting = skipping._selecting
+    monkeypatch.setattr(skipping, "_selecting", lambda *a: seen.append(1) or selecting(*a))
+    cases.nan_step_leaves_the_state_bit_identical(dict(jit_compile=True), sgd=sgd)
+    assert bool(seen) is selected
+
+
 @pytest.mark.backends("tensorflow", reason="tf.distribute.MirroredStrategy")
 def test_several_replicas_are_refused():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

@@ -222,14 +222,15 @@ class GradientKeeper(base.HostCountedKeeper):
         return list(self.slots or ())
 
 
-def apply_if(run, apply, optimizer, variables):
-    """Runs `apply()` (a stateful `apply`), then puts back the values it
-    changed where `run` is false.
+def apply_if(run, apply, optimizer, variables, grads):
+    """Runs `apply()` (a stateful `apply` of `grads`), then puts back the
+    values it changed where `run` is false.
 
     On JAX a stateful `apply` runs eagerly or inside a `StatelessScope`
     (as `stateless_apply` opens it), where `run` is traced: the update's
     values are selected, not branched on.
     """
+    del grads
     _capture.build_as_apply(optimizer, variables)
     tracked = [*variables, *optimizer.variables]
     before = [v.value for v in tracked]

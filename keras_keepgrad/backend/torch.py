@@ -255,14 +255,14 @@ class GradientKeeper(base.HostCountedKeeper):
         return list((self.slots or {}).values())
 
 
-def apply_if(run, apply, optimizer, variables):
-    """Runs `apply()` (the optimizer's `apply`) where `run` is true.
+def apply_if(run, apply, optimizer, variables, grads):
+    """Runs `apply()` (the optimizer's `apply` of `grads`) where `run` is true.
 
     The step's bookkeeping runs eagerly, also under `torch.compile`
     (`_torch_compile`), so a Python `if` decides; reading `run` waits for
     the gradients, as a `LossScaleOptimizer`'s own check does.
     """
-    del optimizer, variables
+    del optimizer, variables, grads
     if bool(run):
         return apply()
     return None

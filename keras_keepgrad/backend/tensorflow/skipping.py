@@ -6,6 +6,7 @@ and `replay_gradients`.
 
 import contextlib
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -17,20 +18,90 @@ __all__ = ["apply_if", "call_if", "deferring_host_calls", "host_cond", "replay_g
 _deferred = []
 
 
-def apply_if(run, apply, optimizer, variables):
-    """Runs `apply()` (the optimizer's `apply`) where `run` is true.
+def apply_if(run, apply, optimizer, variables, grads):
+    """Runs `apply()` (the optimizer's `apply` of `grads`) where `run` is
+    true.
 
-    Graph and XLA steps trace the update into a branch of a `tf.cond`, so
-    a skipped step runs none of its ops; an eager step runs the branch.
+    Graph steps trace the update into a branch of a `tf.cond`, so a skipped
+    step runs none of its ops; an eager step runs the branch. XLA steps
+    select instead (`_selecting`), where they can.
     """
     # Outside the branch: a `tf.cond` cannot create the optimizer's variables.
     _capture.build_as_apply(optimizer, variables)
+    step = _capture.current_step()
+    if step is not None and step.model.jit_compile:
+        selected = _selectable(optimizer, variables, grads)
+        if selected is not None:
+            with _selecting(run, selected):
+                return apply()
 
     def applied():
         apply()
         return tf.constant(True)
 
     tf.cond(run, applied, lambda: tf.constant(False))
+
+
+def _selectable(optimizer, variables, grads):
+    """The `tf.Variable`s of `variables` and of `optimizer`'s state, if its
+    update can be selected (`_selecting`); else None.
+
+    XLA turns a `tf.cond` around the update into a selection of each
+    variable's new or old value after it, and an update that reads a
+    moment it has updated (Adam reads m and v) then needs a copy of every
+    moment's old value, each step: about as much as the update itself. An
+    update whose every write is selected as it happens reads the selected
+    values instead, and needs no copy. Only Keras's own optimizers, which
+    write nothing but their variables and those they update, and dense
+    gradients (a sparse one is written row by row, `scatter_*`) qualify;
+    a `LossScaleOptimizer` branches itself.
+    """
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return None
+    if not type(optimizer).__module__.startswith("keras."):
+        return None
+    if any(isinstance(g, tf.IndexedSlices) for g in grads):
+        return None
+    selected = {}
+    for variable in [*variables, *optimizer.variables]:
+        value = variable.value if isinstance(variable, keras.Variable) else variable
+        if not isinstance(value, tf.Variable) or isinstance(value, tf.distribute.DistributedValues):
+            return None
+        selected[id(value)] = value
+    return list(selected.values())
+
+
+@contextlib.contextmanager
+def _selecting(run, variables):
+    """While open, each write to `variables` (`tf.Variable`s) writes the
+    new value where `run` is true and the old one where it is false: a
+    skipped update leaves every bit as it was; an applied one writes what
+    it would have written."""
+
+    def selecting(variable):
+        assign = variable.assign
+
+        def select(value, use_locking=None, name=None, read_value=True):
+            value = tf.convert_to_tensor(value, variable.dtype)
+            return assign(tf.where(run, value, variable.read_value()), read_value=read_value)
+
+        def select_add(delta, use_locking=None, name=None, read_value=True):
+            delta = tf.convert_to_tensor(delta, variable.dtype)
+            return select(variable.read_value() + delta, read_value=read_value)
+
+        def select_sub(delta, use_locking=None, name=None, read_value=True):
+            delta = tf.convert_to_tensor(delta, variable.dtype)
+            return select(variable.read_value() - delta, read_value=read_value)
+
+        return select, select_add, select_sub
+
+    for variable in variables:
+        variable.assign, variable.assign_add, variable.assign_sub = selecting(variable)
+    try:
+        yield
+    finally:
+        for variable in variables:
+            del variable.assign, variable.assign_add, variable.assign_sub
 
 
 @contextlib.contextmanager
