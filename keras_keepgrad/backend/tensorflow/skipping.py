@@ -48,10 +48,10 @@ def _selectable(optimizer, variables, grads):
 
     XLA turns a `tf.cond` around the update into a selection of each
     variable's new or old value after it, and an update that reads a
-    moment it has updated (Adam reads m and v) then needs a copy of every
-    moment's old value, each step: about as much as the update itself. An
-    update whose every write is selected as it happens reads the selected
-    values instead, and needs no copy. Only Keras's own optimizers, which
+    moment it has updated (Adam reads m and v) then copies every moment's
+    old value, each step (its compiled program shows one copy per
+    moment). An update whose every write is selected as it happens reads
+    the selected values instead, and needs no copy. Only Keras's own optimizers, which
     write nothing but their variables and those they update, and dense
     gradients (a sparse one is written row by row, `scatter_*`) qualify;
     a `LossScaleOptimizer` branches itself.
