@@ -349,16 +349,11 @@ def _capturing(apply):
 
         def run(grads, kept):
             step.applying = True
+            update = functools.partial(apply, optimizer, grads, trainable_variables)
             try:
                 if step.guard is None:
-                    return apply(optimizer, grads, trainable_variables)
-                return step.guard.apply(
-                    optimizer,
-                    variables,
-                    kept,
-                    grads,
-                    lambda: apply(optimizer, grads, trainable_variables),
-                )
+                    return update()
+                return step.guard.apply(optimizer, variables, kept, grads, update)
             finally:
                 step.applying = False
 
