@@ -89,14 +89,11 @@ class Step:
         self._owners = {}
         self.claim(model.trainable_variables)
         # `{id: (variable, value before the step)}` of what the step's
-        # updates so far could change (`remember`); None where no `claim`
-        # can raise after an update ran.
+        # updates so far could change (`remember`, which also asks whether
+        # the update runs as it is called); None where no `claim` can raise
+        # after an update ran.
         self._before = None
-        if (
-            not keeper.ran_a_step
-            and getattr(type(model).train_step, "_own_step", False)
-            and model._restores_state_on_error()
-        ):
+        if not keeper.ran_a_step and getattr(type(model).train_step, "_own_step", False):
             self._before = {}
 
     @property

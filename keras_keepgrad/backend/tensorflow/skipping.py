@@ -51,10 +51,10 @@ def _selectable(optimizer, variables, grads):
     moment it has updated (Adam reads m and v) then copies every moment's
     old value, each step (its compiled program shows one copy per
     moment). An update whose every write is selected as it happens reads
-    the selected values instead, and needs no copy. Only Keras's own optimizers, which
-    write nothing but their variables and those they update, and dense
-    gradients (a sparse one is written row by row, `scatter_*`) qualify;
-    a `LossScaleOptimizer` branches itself.
+    the selected values instead, and needs no copy. Only Keras's own
+    optimizers, which write nothing but their variables and those they
+    update, and dense gradients (a sparse one is written row by row,
+    `scatter_*`) qualify; a `LossScaleOptimizer` branches itself.
     """
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return None
