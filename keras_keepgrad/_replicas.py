@@ -6,9 +6,11 @@ whether its own partial gradients held a NaN or an infinity, before the
 all-reduce mixed them (`backend/tensorflow/replicas.py`). On one replica
 the kept gradients themselves say it. Under `keras.distribution` on JAX
 the devices' partial gradients are summed inside XLA's compiled gradient
-and never exist as arrays: a step whose global gradient is finite had no
-bad device (a NaN or an infinity on one device would have reached the
-sum), but which device made a non-finite one cannot be told.
+and never exist as arrays; under `DataParallel`, with Keras's own step, a
+step whose kept gradients are not finite replays each device's rows alone
+(`backend/jax_replay.py`), and those replays are the record. A step whose
+global gradient is finite had no bad device (a NaN or an infinity on one
+device would have reached the sum).
 """
 
 import keras
@@ -50,11 +52,12 @@ def first_bad_replica(model, keeper):
         f"infinity, and its batches are shared by {count} devices under "
         f"{type(keras.distribution.distribution()).__name__}, which sums "
         "their partial gradients inside the compiled gradient: they never "
-        "exist apart, so which device's share made the value cannot be "
-        "told. `first_bad_replica` names one under a `tf.distribute` "
-        "strategy (TensorFlow) or on one device. To find it here, save the "
-        "batch (`SkipBadSteps(save_batches_to=...)`) and `kg.replay_batch` "
-        "each device's share of it on one device."
+        "exist apart. Under `DataParallel` the step replays each device's "
+        "rows alone to tell which one, but only with Keras's own "
+        "`train_step` (whose loss it recomputes) and a batch that splits "
+        "evenly among the devices; neither held for the kept step. To find "
+        "it, save the batch (`SkipBadSteps(save_batches_to=...)`) and "
+        "`kg.replay_batch` each device's share of it on one device."
     )
 
 

@@ -587,21 +587,29 @@ class KeepGradModel(backend.Trainer, keras.Model):
         a NaN or an infinity in one share spreads to the sum. Each
         replica's step notes whether its own partial gradients held one,
         before they are all-reduced, at no communication cost; this reads
-        the notes of the step the gradients were kept at.
+        the notes of the step the gradients were kept at. Under
+        `keras.distribution.DataParallel` on JAX, where the devices'
+        partial gradients never exist apart, a step whose kept gradients
+        are not finite replays each device's rows alone (Keras's own
+        `train_step` only; see `docs/distributed.md`).
 
         Returns:
             The smallest replica index (`replica_id_in_sync_group`, the
                 order in which the strategy splits the batch: replica 0
-                gets its first rows) whose partial gradients held a NaN or
-                an infinity; 0 on one replica (or without a strategy) if the
-                kept gradients hold one. None if no replica's did (under
-                several replicas a sum of finite shares can still overflow).
+                gets its first rows; the device's index in the
+                distribution's mesh on JAX) whose partial gradients held a
+                NaN or an infinity; 0 on one replica (or without a
+                strategy) if the kept gradients hold one. None if no
+                replica's did (under several replicas a sum of finite
+                shares can still overflow).
 
         Raises:
             AttributeError, RuntimeError: As `gradients`. Also
                 RuntimeError where the kept gradients are not finite under
-                `keras.distribution` on several JAX devices, whose partial
-                gradients never exist apart (see `docs/distributed.md`).
+                `keras.distribution` on several JAX devices and no device
+                was replayed: a `train_step` of the user's own, a batch
+                that does not split evenly, or a distribution other than
+                `DataParallel`.
         """
         return _replicas.first_bad_replica(self, self._checked_keeper())
 

@@ -62,6 +62,9 @@ from keras_keepgrad.backend.base import current_step_gradients
 from keras_keepgrad.backend.base import current_step_updates
 from keras_keepgrad.backend.base import densify
 from keras_keepgrad.backend.base import unscale
+from keras_keepgrad.backend.jax_replay import bad_devices
+from keras_keepgrad.backend.jax_replay import devices_to_name
+from keras_keepgrad.backend.jax_replay import replay_gradients
 
 __all__ = [
     "GradientKeeper",
@@ -121,6 +124,7 @@ class GradientKeeper(base.HostCountedKeeper):
         super().__init__(every)
         self.layouts = None
         self.compiled_step = None
+        self._bad_devices = None
 
     # One training step (traced) -----------------------------------------
 
@@ -183,12 +187,19 @@ class GradientKeeper(base.HostCountedKeeper):
 
     # Between steps ------------------------------------------------------
 
-    def stepped(self, kept):
-        """Counts one step; `kept` (or None) are its slots, if it wrote them."""
+    def stepped(self, kept, bad_devices=None):
+        """Counts one step; `kept` (or None) are its slots, if it wrote
+        them, and `bad_devices` its `bad_devices`, if it replayed them."""
         if kept is not None:
             self.slots = list(kept)
+            self._bad_devices = bad_devices
             self._written = self._steps
         self._steps += 1
+
+    def replica_flags(self):
+        """As `base.Keeper.replica_flags`: per device of `DataParallel`,
+        whether its rows alone gave non-finite gradients (`bad_devices`)."""
+        return None if self._bad_devices is None else np.asarray(self._bad_devices)
 
     def slot_dtypes(self):
         """`{path: dtype}` of the slots the training function writes."""
@@ -210,6 +221,7 @@ class GradientKeeper(base.HostCountedKeeper):
         """Writes saved dense gradients (`{path: array}`) into the slots."""
         del strategy
         self.paths = self.trainable_paths = tuple(v.path for v in variables)
+        self._bad_devices = None
         slots = []
         for variable in variables:
             value = jnp.asarray(arrays[variable.path])
@@ -254,30 +266,6 @@ def call_if(flag, fn, tensors):
     jax.lax.cond(flag, run, lambda arrays: None, dict(tensors))
 
 
-def replay_gradients(model, x, y, sample_weight, scale):
-    """The gradients of `model`'s compiled loss on one batch, as its
-    training step computes them (see `_evidence.replay_batch`)."""
-    trainable = [v.value for v in model.trainable_variables]
-    non_trainable = [v.value for v in model.non_trainable_variables]
-    metrics = [v.value for v in model.metrics_variables]
-    optimizer = [v.value for v in model.optimizer.variables]
-
-    def loss_of(values):
-        _, aux = model.compute_loss_and_updates(
-            values,
-            non_trainable,
-            metrics,
-            x,
-            y,
-            sample_weight,
-            training=True,
-            optimizer_variables=optimizer,
-        )
-        return aux[0] * scale  # the loss as computed, before any scaling
-
-    return [g / scale for g in jax.grad(loss_of)(trainable)]
-
-
 def _zeros_like(shapes, layouts):
     slots = []
     for shape, layout in zip(shapes, layouts):
@@ -304,17 +292,23 @@ def make_train_function(model):
     # A callback asks before `fit` makes the training function.
     statistics = _stats.requested(model)
 
+    devices = devices_to_name(model)
+
     def step_body(state, slots, data, write):
         del slots  # donated: XLA writes the new slots into their buffers
         with _capture.training_step(model, keeper) as step:
-            logs, state = model.train_step(state, data)
+            logs, new_state = model.train_step(state, data)
         if not write:
-            return logs, state
+            return logs, new_state
         kept = [densify(step.grads[path]) for path in keeper.paths]
-        if not statistics:
-            return logs, state, kept
-        # The statistics describe the step the slots hold: written with them.
-        return logs, state, kept, shared_squares(dict(zip(keeper.paths, kept)))
+        # What describes the step the slots hold is written with them.
+        extras = {}
+        if statistics:
+            extras["squares"] = shared_squares(dict(zip(keeper.paths, kept)))
+        leaves = jax.tree_util.tree_leaves(data)
+        if devices > 1 and leaves and all(t.shape[0] % devices == 0 for t in leaves):
+            extras["bad_devices"] = bad_devices(model, state, data, kept, devices)
+        return logs, new_state, kept, extras
 
     functions = {}
 
@@ -328,7 +322,7 @@ def make_train_function(model):
                     slot_shardings = [keeper.layouts[p] for p in keeper.paths]
                     out_shardings = (None, state_shardings)
                     if write:
-                        out_shardings += (slot_shardings,) + ((None,) if statistics else ())
+                        out_shardings += (slot_shardings, None)
                 # `keep_unused`: the old slots are not read, only donated,
                 # and an unused argument would be dropped with its buffer.
                 function = jax.jit(
@@ -360,15 +354,15 @@ def make_train_function(model):
             # in Keras): its first kept gradients become the slots.
             shapes = jax.eval_shape(functools.partial(step_body, write=True), state, None, data)[2]
             keeper.slots = _zeros_like(shapes, [keeper.layouts.get(p) for p in keeper.paths])
-        squares = None
+        extras = {}
         if write:
-            logs, state, kept, *squares = compiled(True)(state, keeper.slots, data)
+            logs, state, kept, extras = compiled(True)(state, keeper.slots, data)
         else:
             logs, state = compiled(False)(state, None, data)
             kept = None
-        keeper.stepped(kept)
-        if squares:
-            _stats.store(model, keeper.paths, squares[0])
+        keeper.stepped(kept, extras.get("bad_devices"))
+        if "squares" in extras:
+            _stats.store(model, keeper.paths, extras["squares"])
         return logs, state
 
     model.train_function = _compat.make_function(model, train_step)

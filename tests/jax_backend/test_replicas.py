@@ -2,17 +2,19 @@
 
 Under `keras.distribution.DataParallel` the devices' partial gradients are
 summed inside XLA's compiled gradient and never exist apart: a finite
-step had no bad device (None, exact), a non-finite one cannot be traced
-to one, and reading it raises rather than guess. `skip_bad_steps` judges
-the global gradient there, as on one device.
+step had no bad device (None, exact); a non-finite one replays each
+device's rows alone, with Keras's own step. `skip_bad_steps` judges the
+global gradient there, as on one device.
 """
 
 import os
+import warnings
 
 import jax
 import keras
 import numpy as np
 import pytest
+from conftest import LateBuilt
 from conftest import X
 from conftest import Y
 from conftest import one_weight
@@ -35,24 +37,91 @@ def test_one_device_names_device_0(mode):
     assert model.first_bad_replica == 0
 
 
+def data_parallel():
+    return keras.distribution.DataParallel(devices=jax.devices("cpu")[:2])
+
+
 @needs_two_devices
-def test_data_parallel_never_guesses_the_device(tmp_path):
-    """w = 3, (1, 2): 15, SGD(0.1): w = 1.5. Then (1, NaN), the NaN in
-    device 1's half: skipped (w stays 1.5) and saved, with no
-    `first_bad_replica` entry; reading it raises."""
+def test_data_parallel_names_the_device_whose_rows_went_bad(tmp_path):
+    """w = 3, (1, 2): 15, SGD(0.1): w = 1.5, no bad device. Then (1, NaN),
+    the NaN in device 1's half: skipped (w stays 1.5), saved, and device 1
+    is named; the monitor says so."""
     directory = str(tmp_path / "bad")
-    distribution = keras.distribution.DataParallel(devices=jax.devices("cpu")[:2])
-    with distribution.scope():
+    with data_parallel().scope():
         model = one_weight(skip_bad_steps=kg.SkipBadSteps(save_batches_to=directory))
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         model.fit(X, Y, batch_size=2, shuffle=False, verbose=0)
         assert model.first_bad_replica is None
-        history = model.fit(NAN_ON_1, Y, batch_size=2, shuffle=False, verbose=0)
+        monitor = kg.callbacks.GradientMonitor()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            history = model.fit(
+                NAN_ON_1, Y, batch_size=2, shuffle=False, verbose=0, callbacks=[monitor]
+            )
         assert history.history["skipped_steps"] == [1.0]
         assert float(np.asarray(model.weights[0])[0, 0]) == 1.5
-        with pytest.raises(RuntimeError, match=r"shared by 2 devices under DataParallel"):
-            model.first_bad_replica  # noqa: B018
+        assert model.first_bad_replica == 1
+    assert [event["message"] for event in monitor.events] == [
+        "Step 1: skip_bad_steps skipped the update: non-finite gradients (NaN "
+        "or inf) in 1 of 1 layers, in forward order: 'dense_0', first on "
+        "replica 1 of 2. The weights and the optimizer's state are as they "
+        "were before the step."
+    ]
     (name,) = os.listdir(directory)
     with np.load(os.path.join(directory, name)) as saved:
-        assert "first_bad_replica" not in saved.files
         assert bool(saved["skipped"]) and int(saved["step"]) == 2
+
+
+@needs_two_devices
+@pytest.mark.parametrize(
+    ("rows", "first"),
+    [
+        ([1.0, 2.0, 3.0, 4.0], None),
+        ([np.nan, 2.0, 3.0, 4.0], 0),
+        ([1.0, 2.0, 3.0, np.nan], 1),
+        ([1.0, np.nan, np.inf, 4.0], 0),
+        ([1.0, 2.0, np.inf, 4.0], 1),
+    ],
+)
+def test_data_parallel_names_the_first_bad_device(rows, first):
+    """4 rows over 2 devices: device 0 holds rows 0 and 1, device 1 rows 2
+    and 3. A NaN or an infinity in a device's rows makes its gradient
+    (w * x^2) non-finite; a clean batch names none. Without skipping: the
+    replay reads nothing but the step's own state."""
+    x = np.array(rows, "float32")[:, None]
+    with data_parallel().scope():
+        model = one_weight()
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+        model.fit(x, np.zeros_like(x), batch_size=4, shuffle=False, verbose=0)
+        assert model.first_bad_replica == first
+        assert model.gradients["dense_0"]["kernel"].shape == (1, 1)
+
+
+@needs_two_devices
+def test_data_parallel_replays_each_device_alone_with_batch_normalization():
+    """A BatchNormalization in training takes its statistics over the
+    global batch, so a NaN in device 1's rows reaches every row; each
+    device's rows replayed alone name device 1, whose rows hold it."""
+    with data_parallel().scope():
+        inputs = keras.Input((1,))
+        hidden = keras.layers.BatchNormalization(name="norm")(inputs)
+        model = kg.KeepGradModel(inputs, keras.layers.Dense(1, name="dense_0")(hidden))
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+        x = np.array([[1.0], [2.0], [3.0], [np.nan]], "float32")
+        model.fit(x, np.zeros_like(x), batch_size=4, shuffle=False, verbose=0)
+        assert not np.isfinite(np.asarray(model.gradients["dense_0"]["kernel"])).all()
+        assert model.first_bad_replica == 1
+
+
+@needs_two_devices
+def test_data_parallel_with_an_own_step_refuses_to_name_a_device():
+    """A `train_step` of the user's own: its loss cannot be recomputed, so
+    a non-finite step's device is not told, and reading it says why."""
+    with data_parallel().scope():
+        model = LateBuilt(own_step=True)
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+        model.fit(X, Y, batch_size=2, shuffle=False, verbose=0)
+        assert model.first_bad_replica is None
+        model.fit(NAN_ON_1, Y, batch_size=2, shuffle=False, verbose=0)
+        with pytest.raises(RuntimeError, match=r"shared by 2 devices under DataParallel"):
+            model.first_bad_replica  # noqa: B018

@@ -1,0 +1,96 @@
+"""Replaying a batch's gradients on JAX: a saved batch (`_evidence`), and
+each device's rows of a bad step under `DataParallel` (`_replicas`).
+
+Under `keras.distribution.DataParallel` Keras's JAX step takes the
+gradient of the global batch's loss on sharded arrays, and XLA sums the
+devices' shares inside the compiled gradient: they never exist as arrays.
+Where the kept gradients are not finite, the step replays each device's
+rows alone (`bad_devices`), inside the same compiled step, from the state
+it began with, in a branch that runs only then.
+"""
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+
+from keras_keepgrad._squares import shared_squares
+
+__all__ = ["bad_devices", "devices_to_name", "replay_gradients"]
+
+
+def replay_gradients(model, x, y, sample_weight, scale, state=None):
+    """The gradients of `model`'s compiled loss on one batch, as its
+    training step computes them (see `_evidence.replay_batch`), from the
+    variables' values or from a step's `state`."""
+    if state is None:
+        state = [
+            [v.value for v in variables]
+            for variables in (
+                model.trainable_variables,
+                model.non_trainable_variables,
+                model.optimizer.variables,
+                model.metrics_variables,
+            )
+        ]
+    trainable, non_trainable, optimizer, metrics = state
+
+    def loss_of(values):
+        _, aux = model.compute_loss_and_updates(
+            values,
+            non_trainable,
+            metrics,
+            x,
+            y,
+            sample_weight,
+            training=True,
+            optimizer_variables=optimizer,
+        )
+        return aux[0] * scale  # the loss as computed, before any scaling
+
+    return [g / scale for g in jax.grad(loss_of)(trainable)]
+
+
+def devices_to_name(model):
+    """How many devices `bad_devices` replays on `model`'s steps: those of
+    `DataParallel` under Keras's own step (whose loss it recomputes); 1
+    (none) else."""
+    distribution = keras.distribution.distribution()
+    if not isinstance(distribution, keras.distribution.DataParallel):
+        return 1
+    if getattr(type(model).train_step, "_own_step", False):
+        return 1
+    return int(np.size(distribution.device_mesh.devices))
+
+
+def bad_devices(model, state, data, kept, count):
+    """Bool `[count]`: whether each device's rows of the batch, alone,
+    give a non-finite gradient (see `_replicas`); computed only on a step
+    whose kept gradients are not finite.
+
+    Each device's replay is Keras's step on its rows (device `d` of `n`
+    holds rows `d * B / n` to `(d + 1) * B / n`), from the step's starting
+    `state`, with the loss scaled by the step's loss scale over `n`: the
+    size of that device's share of the scaled gradient.
+    """
+    optimizer = model.optimizer
+    scale = 1.0
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        index = [id(v) for v in optimizer.variables].index(id(optimizer.dynamic_scale))
+        scale = state[2][index]
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+
+    def rows(t):
+        return jnp.reshape(t, (count, t.shape[0] // count, *t.shape[1:]))
+
+    def bad(batch):
+        grads = replay_gradients(model, *batch, scale / count, state)
+        return jnp.logical_not(jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads])))
+
+    def replay(batch):
+        return jax.lax.map(bad, jax.tree_util.tree_map(rows, batch))
+
+    finite = jnp.all(jnp.isfinite(shared_squares(dict(enumerate(kept)))))
+    return jax.lax.cond(
+        finite, lambda batch: jnp.zeros((count,), bool), replay, (x, y, sample_weight)
+    )
