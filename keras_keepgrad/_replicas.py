@@ -16,7 +16,7 @@ device would have reached the sum).
 import keras
 import numpy as np
 
-__all__ = ["first_bad_replica", "note", "one_replica_first_bad", "replica_count"]
+__all__ = ["first_bad_replica", "first_of", "note", "one_replica_first_bad", "replica_count"]
 
 
 def replica_count(model):
@@ -75,6 +75,16 @@ def note(model):
     if first is None:
         return f", in the sum of {count} replicas whose own gradients were finite"
     return f", first on replica {first} of {count}"
+
+
+def first_of(flags):
+    """In a step: int32 tensor, the index of the first true of `flags` (a
+    bool tensor per device), -1 if none; None where `flags` is None."""
+    if flags is None:
+        return None
+    flags = keras.ops.convert_to_tensor(flags)
+    first = keras.ops.argmax(keras.ops.cast(flags, "int32"))
+    return keras.ops.where(keras.ops.any(flags), keras.ops.cast(first, "int32"), -1)
 
 
 def one_replica_first_bad(model, finite):

@@ -277,7 +277,7 @@ def begin(model, args):
     data = None
     if config.save_batches_to is not None:
         data = _evidence.flatten_batch(model._step_data(args))
-    step.guard = Guard(model, config, dict(zip(metric.names, values)), data)
+    step.guard = Guard(model, config, dict(zip(metric.names, values)), data, args)
     return step.guard
 
 
@@ -291,13 +291,17 @@ class Guard:
             step begins.
         data: `{key: tensor}` of the step's batch (`_evidence.flatten_batch`)
             where skipped steps' batches are saved, else None.
+        args: The step's arguments, for `model._bad_devices` where the
+            batch is saved.
     """
 
-    def __init__(self, model, config, state, data=None):
+    def __init__(self, model, config, state, data=None, args=None):
         self.model = model
         self.config = config
         self.state = state
         self.data = data
+        self.args = args  # the step's arguments
+        self.bad_devices = None  # `model._bad_devices`, where replayed
         self.bad = None  # whether an update of the step was bad
         self.finite = None  # whether all its judged gradients were finite
         # Whether a `LossScaleOptimizer` skipped an update (non-finite) itself.
@@ -436,6 +440,10 @@ class Guard:
         skipped = bad if config.skip else self.scale_skipped
         tensors["skipped"] = ops.convert_to_tensor(False) if skipped is None else skipped
         first = _replicas.one_replica_first_bad(self.model, self.finite)
+        if first is None and self.finite is not None:
+            # Devices whose partial gradients never exist apart: replayed.
+            self.bad_devices = self.model._bad_devices(self.args, self.finite)
+            first = _replicas.first_of(self.bad_devices)
         if first is not None:
             tensors["first_bad_replica"] = first
         save = functools.partial(_evidence.save, config.save_batches_to, config.max_saved)

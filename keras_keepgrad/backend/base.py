@@ -287,6 +287,13 @@ class Trainer:
         """The batch (`data`) of a training step called with `args`."""
         return args[0]
 
+    def _bad_devices(self, args, finite):
+        """Bool per device whose rows alone went non-finite, in a step
+        called with `args` whose kept gradients are `finite` (a bool
+        tensor): where the devices' partial gradients never exist apart
+        but can be replayed (JAX `DataParallel`); else None."""
+        del args, finite
+
     def _skip_state_in(self, args, variables):
         """The values of `variables` (the state of `skip_bad_steps`) as the
         step with arguments `args` begins."""

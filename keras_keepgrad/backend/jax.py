@@ -292,8 +292,6 @@ def make_train_function(model):
     # A callback asks before `fit` makes the training function.
     statistics = _stats.requested(model)
 
-    devices = devices_to_name(model)
-
     def step_body(state, slots, data, write):
         del slots  # donated: XLA writes the new slots into their buffers
         with _capture.training_step(model, keeper) as step:
@@ -305,9 +303,13 @@ def make_train_function(model):
         extras = {}
         if statistics:
             extras["squares"] = shared_squares(dict(zip(keeper.paths, kept)))
-        leaves = jax.tree_util.tree_leaves(data)
-        if devices > 1 and leaves and all(t.shape[0] % devices == 0 for t in leaves):
-            extras["bad_devices"] = bad_devices(model, state, data, kept, devices)
+        # Replayed already where the step saved its batch (`_skipping`).
+        flags = getattr(step.guard, "bad_devices", None)
+        if flags is None:
+            finite = jnp.all(jnp.isfinite(shared_squares(dict(enumerate(kept)))))
+            flags = model._bad_devices((state, data), finite)
+        if flags is not None:
+            extras["bad_devices"] = flags
         return logs, new_state, kept, extras
 
     functions = {}
@@ -412,6 +414,14 @@ class Trainer(base.Trainer):
 
     def _step_data(self, args):
         return args[1]
+
+    def _bad_devices(self, args, finite):
+        state, data = args
+        count = devices_to_name(self)
+        leaves = jax.tree_util.tree_leaves(data)
+        if count == 1 or not all(t.shape[0] % count == 0 for t in leaves):
+            return None
+        return bad_devices(self, state, data, finite, count)
 
     def _skip_state_out(self, result, pairs, logs):
         step_logs, state = result

@@ -14,8 +14,6 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_keepgrad._squares import shared_squares
-
 __all__ = ["bad_devices", "devices_to_name", "replay_gradients"]
 
 
@@ -63,10 +61,10 @@ def devices_to_name(model):
     return int(np.size(distribution.device_mesh.devices))
 
 
-def bad_devices(model, state, data, kept, count):
+def bad_devices(model, state, data, finite, count):
     """Bool `[count]`: whether each device's rows of the batch, alone,
-    give a non-finite gradient (see `_replicas`); computed only on a step
-    whose kept gradients are not finite.
+    give a non-finite gradient (see `_replicas`); computed only where
+    `finite` (whether the step's kept gradients are) is false.
 
     Each device's replay is Keras's step on its rows (device `d` of `n`
     holds rows `d * B / n` to `(d + 1) * B / n`), from the step's starting
@@ -90,7 +88,6 @@ def bad_devices(model, state, data, kept, count):
     def replay(batch):
         return jax.lax.map(bad, jax.tree_util.tree_map(rows, batch))
 
-    finite = jnp.all(jnp.isfinite(shared_squares(dict(enumerate(kept)))))
     return jax.lax.cond(
         finite, lambda batch: jnp.zeros((count,), bool), replay, (x, y, sample_weight)
     )

@@ -45,7 +45,7 @@ def data_parallel():
 def test_data_parallel_names_the_device_whose_rows_went_bad(tmp_path):
     """w = 3, (1, 2): 15, SGD(0.1): w = 1.5, no bad device. Then (1, NaN),
     the NaN in device 1's half: skipped (w stays 1.5), saved, and device 1
-    is named; the monitor says so."""
+    is named, in the saved file too; the monitor says so."""
     directory = str(tmp_path / "bad")
     with data_parallel().scope():
         model = one_weight(skip_bad_steps=kg.SkipBadSteps(save_batches_to=directory))
@@ -70,6 +70,7 @@ def test_data_parallel_names_the_device_whose_rows_went_bad(tmp_path):
     (name,) = os.listdir(directory)
     with np.load(os.path.join(directory, name)) as saved:
         assert bool(saved["skipped"]) and int(saved["step"]) == 2
+        assert int(saved["first_bad_replica"]) == 1
 
 
 @needs_two_devices
