@@ -301,7 +301,6 @@ class Guard:
         self.state = state
         self.data = data
         self.args = args  # the step's arguments
-        self.bad_devices = None  # `model._bad_devices`, where replayed
         self.bad = None  # whether an update of the step was bad
         self.finite = None  # whether all its judged gradients were finite
         # Whether a `LossScaleOptimizer` skipped an update (non-finite) itself.
@@ -442,8 +441,7 @@ class Guard:
         first = _replicas.one_replica_first_bad(self.model, self.finite)
         if first is None and self.finite is not None:
             # Devices whose partial gradients never exist apart: replayed.
-            self.bad_devices = self.model._bad_devices(self.args, self.finite)
-            first = _replicas.first_of(self.bad_devices)
+            first = _replicas.first_of(self.model._bad_devices(self.args, self.finite))
         if first is not None:
             tensors["first_bad_replica"] = first
         save = functools.partial(_evidence.save, config.save_batches_to, config.max_saved)

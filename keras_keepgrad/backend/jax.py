@@ -304,7 +304,7 @@ def make_train_function(model):
         if statistics:
             extras["squares"] = shared_squares(dict(zip(keeper.paths, kept)))
         # Replayed already where the step saved its batch (`_skipping`).
-        flags = getattr(step.guard, "bad_devices", None)
+        flags = getattr(step.backend_state, "bad_devices", None)
         if flags is None:
             finite = jnp.all(jnp.isfinite(shared_squares(dict(enumerate(kept)))))
             flags = model._bad_devices((state, data), finite)
@@ -416,12 +416,19 @@ class Trainer(base.Trainer):
         return args[1]
 
     def _bad_devices(self, args, finite):
+        # Once per step, where both the saved batch and the step ask.
+        backend_state = getattr(_capture.current_step(), "backend_state", None)
+        if getattr(backend_state, "bad_devices", None) is not None:
+            return backend_state.bad_devices
         state, data = args
         count = devices_to_name(self)
         leaves = jax.tree_util.tree_leaves(data)
         if count == 1 or not all(t.shape[0] % count == 0 for t in leaves):
             return None
-        return bad_devices(self, state, data, finite, count)
+        flags = bad_devices(self, state, data, finite, count)
+        if backend_state is not None:
+            backend_state.bad_devices = flags
+        return flags
 
     def _skip_state_out(self, result, pairs, logs):
         step_logs, state = result
