@@ -52,12 +52,31 @@ def first_bad_replica(model, keeper):
         f"infinity, and its batches are shared by {count} devices under "
         f"{type(keras.distribution.distribution()).__name__}, which sums "
         "their partial gradients inside the compiled gradient: they never "
-        "exist apart. Under `DataParallel` the step replays each device's "
-        "rows alone to tell which one, but only with Keras's own "
-        "`train_step` (whose loss it recomputes) and a batch that splits "
-        "evenly among the devices; neither held for the kept step. To find "
-        "it, save the batch (`SkipBadSteps(save_batches_to=...)`) and "
+        f"exist apart. {_why_not_replayed(model, keeper)} To find it, save "
+        "the batch (`SkipBadSteps(save_batches_to=...)`) and "
         "`kg.replay_batch` each device's share of it on one device."
+    )
+
+
+def _why_not_replayed(model, keeper):
+    """Why the step did not replay each device's rows (`backend/jax_replay.py`)."""
+    if not isinstance(keras.distribution.distribution(), keras.distribution.DataParallel):
+        return "Only under `DataParallel` does the step replay each device's rows."
+    if getattr(type(model).train_step, "_own_step", False):
+        return (
+            "The step replays each device's rows only with Keras's own "
+            "`train_step`, whose loss it recomputes; this model has its own."
+        )
+    if model._skip_config is None:
+        return (
+            "The step replays each device's rows only where the model "
+            "judges its steps: set `skip_bad_steps` (`kg.SkipBadSteps(skip="
+            "False)` only flags bad steps, and trains as without it)."
+        )
+    error = getattr(keeper, "replay_error", None)
+    return (
+        "The model could not run on one device's rows alone, so the step "
+        f"does not replay them ({type(error).__name__}: {error})."
     )
 
 

@@ -142,6 +142,41 @@ def test_keras_optimizers_apply_as_plain_keras_and_skip_exactly(make):
     assert states[1] == states[0]
 
 
+@pytest.mark.backends("tensorflow", reason="a train_step written with tf.GradientTape")
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_an_update_of_some_variables_with_ema_skips_them_all(jit_compile):
+    """An own step applies layer a's gradients only; the optimizer, built
+    for a and b, overwrites every variable it was built for with its
+    moving average (`ema_overwrite_frequency=1`), b included: b, set to
+    5 after the first step, would go back to its average. A NaN step
+    leaves it at 5."""
+
+    class OnlyA(kg.KeepGradModel):
+        def train_step(self, data):
+            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((self(x) - y) ** 2)
+            variables = self.get_layer("a").trainable_variables
+            self.optimizer.apply(tape.gradient(loss, variables), variables)
+            return {"loss": loss}
+
+    inputs = keras.Input((1,))
+    hidden = keras.layers.Dense(1, use_bias=False, name="a")(inputs)
+    model = OnlyA(inputs, keras.layers.Dense(1, name="b")(hidden), skip_bad_steps=True)
+    optimizer = keras.optimizers.SGD(0.1, use_ema=True, ema_overwrite_frequency=1)
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+    optimizer.build(model.trainable_variables)
+    with pytest.warns(UserWarning, match=r"passed no gradient for .*\['b/kernel', 'b/bias'\]"):
+        model.fit(X, Y, batch_size=2, verbose=0)
+    model.get_layer("b").kernel.assign([[5.0]])
+    before = cases.state_bytes(model)
+    # Not `fit`, which ends by writing the averages into every variable.
+    logs = model.train_on_batch(cases.NAN_X, Y, return_dict=True)
+    assert logs["skipped_steps"] == 1.0
+    assert cases.state_bytes(model) == before
+    assert float(np.asarray(model.get_layer("b").kernel)[0, 0]) == 5.0
+
+
 @pytest.mark.backends("tensorflow", reason="tf.distribute.MirroredStrategy")
 def test_several_replicas_are_refused():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

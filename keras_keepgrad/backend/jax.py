@@ -125,6 +125,8 @@ class GradientKeeper(base.HostCountedKeeper):
         self.layouts = None
         self.compiled_step = None
         self._bad_devices = None
+        # Why the step could not replay each device's rows, if it failed.
+        self.replay_error = None
 
     # One training step (traced) -----------------------------------------
 
@@ -244,7 +246,9 @@ def apply_if(run, apply, optimizer, variables, grads):
     """
     del grads
     _capture.build_as_apply(optimizer, variables)
-    tracked = [*variables, *optimizer.variables]
+    # Its EMA writes every variable it was built for, beyond those applied.
+    built_for = getattr(optimizer, "_trainable_variables", None) or []
+    tracked = list({id(v): v for v in [*variables, *built_for, *optimizer.variables]}.values())
     before = [v.value for v in tracked]
     result = apply()
     for variable, value in zip(tracked, before):
@@ -422,10 +426,15 @@ class Trainer(base.Trainer):
             return backend_state.bad_devices
         state, data = args
         count = devices_to_name(self)
-        leaves = jax.tree_util.tree_leaves(data)
-        if count == 1 or not all(t.shape[0] % count == 0 for t in leaves):
+        if count == 1:
             return None
-        flags = bad_devices(self, state, data, finite, count)
+        try:
+            flags = bad_devices(self, state, data, finite, count)
+        except (TypeError, ValueError) as error:
+            # A model that cannot run on one device's rows (a fixed batch
+            # size, a stateful RNN) trains on; reading says why.
+            self._keeper.replay_error = error
+            return None
         if backend_state is not None:
             backend_state.bad_devices = flags
         return flags

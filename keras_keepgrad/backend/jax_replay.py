@@ -21,6 +21,11 @@ def replay_gradients(model, x, y, sample_weight, scale, state=None):
     """The gradients of `model`'s compiled loss on one batch, as its
     training step computes them (see `_evidence.replay_batch`), from the
     variables' values or from a step's `state`."""
+    return [g / scale for g in _scaled_gradients(model, x, y, sample_weight, scale, state)]
+
+
+def _scaled_gradients(model, x, y, sample_weight, scale, state=None):
+    """The gradients of `scale` times `model`'s compiled loss on one batch."""
     if state is None:
         state = [
             [v.value for v in variables]
@@ -46,17 +51,18 @@ def replay_gradients(model, x, y, sample_weight, scale, state=None):
         )
         return aux[0] * scale  # the loss as computed, before any scaling
 
-    return [g / scale for g in jax.grad(loss_of)(trainable)]
+    return jax.grad(loss_of)(trainable)
 
 
 def devices_to_name(model):
     """How many devices `bad_devices` replays on `model`'s steps: those of
-    `DataParallel` under Keras's own step (whose loss it recomputes); 1
-    (none) else."""
+    `DataParallel`, where the model judges its steps (`skip_bad_steps`)
+    with Keras's own step (whose loss the replay recomputes); 1 (none)
+    else."""
     distribution = keras.distribution.distribution()
     if not isinstance(distribution, keras.distribution.DataParallel):
         return 1
-    if getattr(type(model).train_step, "_own_step", False):
+    if model._skip_config is None or getattr(type(model).train_step, "_own_step", False):
         return 1
     return int(np.size(distribution.device_mesh.devices))
 
@@ -69,7 +75,8 @@ def bad_devices(model, state, data, finite, count):
     Each device's replay is Keras's step on its rows (device `d` of `n`
     holds rows `d * B / n` to `(d + 1) * B / n`), from the step's starting
     `state`, with the loss scaled by the step's loss scale over `n`: the
-    size of that device's share of the scaled gradient.
+    size of that device's share of the scaled gradient, for a loss that
+    is a mean over the batch (Keras's default reduction).
     """
     optimizer = model.optimizer
     scale = 1.0
@@ -82,7 +89,8 @@ def bad_devices(model, state, data, finite, count):
         return jnp.reshape(t, (count, t.shape[0] // count, *t.shape[1:]))
 
     def bad(batch):
-        grads = replay_gradients(model, *batch, scale / count, state)
+        # As scaled in the step: what overflows there overflows here.
+        grads = _scaled_gradients(model, *batch, scale / count, state)
         return jnp.logical_not(jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads])))
 
     def replay(batch):

@@ -87,15 +87,17 @@ def test_data_parallel_names_the_device_whose_rows_went_bad(tmp_path):
 def test_data_parallel_names_the_first_bad_device(rows, first):
     """4 rows over 2 devices: device 0 holds rows 0 and 1, device 1 rows 2
     and 3. A NaN or an infinity in a device's rows makes its gradient
-    (w * x^2) non-finite; a clean batch names none. Without skipping: the
-    replay reads nothing but the step's own state."""
+    (w * x^2) non-finite; a clean batch names none. Flagged, not skipped,
+    with SGD(0.1): the update runs and turns w non-finite, so a replay
+    from the weights after the step, not before it, would name device 0
+    every time."""
     x = np.array(rows, "float32")[:, None]
     with data_parallel().scope():
-        model = one_weight()
-        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
-        model.fit(x, np.zeros_like(x), batch_size=4, shuffle=False, verbose=0)
+        model = one_weight(skip_bad_steps=kg.SkipBadSteps(skip=False))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        history = model.fit(x, np.zeros_like(x), batch_size=4, shuffle=False, verbose=0)
+        assert history.history["flagged_steps"] == [0.0 if first is None else 1.0]
         assert model.first_bad_replica == first
-        assert model.gradients["dense_0"]["kernel"].shape == (1, 1)
 
 
 @needs_two_devices
@@ -106,7 +108,11 @@ def test_data_parallel_replays_each_device_alone_with_batch_normalization():
     with data_parallel().scope():
         inputs = keras.Input((1,))
         hidden = keras.layers.BatchNormalization(name="norm")(inputs)
-        model = kg.KeepGradModel(inputs, keras.layers.Dense(1, name="dense_0")(hidden))
+        model = kg.KeepGradModel(
+            inputs,
+            keras.layers.Dense(1, name="dense_0")(hidden),
+            skip_bad_steps=kg.SkipBadSteps(skip=False),
+        )
         model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
         x = np.array([[1.0], [2.0], [3.0], [np.nan]], "float32")
         model.fit(x, np.zeros_like(x), batch_size=4, shuffle=False, verbose=0)
@@ -115,14 +121,44 @@ def test_data_parallel_replays_each_device_alone_with_batch_normalization():
 
 
 @needs_two_devices
-def test_data_parallel_with_an_own_step_refuses_to_name_a_device():
-    """A `train_step` of the user's own: its loss cannot be recomputed, so
-    a non-finite step's device is not told, and reading it says why."""
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda: one_weight(), r"set `skip_bad_steps`"),
+        (lambda: LateBuilt(own_step=True, skip_bad_steps=True), r"this model has its own"),
+    ],
+    ids=["not_judged", "own_step"],
+)
+def test_data_parallel_without_a_replay_says_why(make, reason):
+    """No replay without `skip_bad_steps` (it costs a copy of the weights
+    per step), nor with a `train_step` of the user's own (its loss cannot
+    be recomputed): a finite step still reads None, a non-finite one
+    raises saying why."""
     with data_parallel().scope():
-        model = LateBuilt(own_step=True)
+        model = make()
         model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
         model.fit(X, Y, batch_size=2, shuffle=False, verbose=0)
         assert model.first_bad_replica is None
         model.fit(NAN_ON_1, Y, batch_size=2, shuffle=False, verbose=0)
-        with pytest.raises(RuntimeError, match=r"shared by 2 devices under DataParallel"):
+        with pytest.raises(RuntimeError, match=reason):
+            model.first_bad_replica  # noqa: B018
+
+
+@needs_two_devices
+def test_data_parallel_trains_a_model_that_cannot_run_on_fewer_rows():
+    """A stateful LSTM takes batches of exactly 4 rows: it cannot replay
+    one device's 2. It trains as in plain Keras, and a non-finite step
+    says why its device is not named."""
+    with data_parallel().scope():
+        inputs = keras.Input((3, 2), batch_size=4)
+        outputs = keras.layers.Dense(1)(keras.layers.LSTM(3, stateful=True)(inputs))
+        model = kg.KeepGradModel(inputs, outputs, skip_bad_steps=True)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        x = np.ones((4, 3, 2), "float32")
+        history = model.fit(x, np.zeros((4, 1), "float32"), batch_size=4, verbose=0)
+        assert history.history["skipped_steps"] == [0.0]
+        x[3, 0, 0] = np.nan
+        history = model.fit(x, np.zeros((4, 1), "float32"), batch_size=4, verbose=0)
+        assert history.history["skipped_steps"] == [1.0]
+        with pytest.raises(RuntimeError, match=r"could not run on one device's rows"):
             model.first_bad_replica  # noqa: B018

@@ -62,7 +62,9 @@ def _guardable(optimizer, variables, grads):
     if any(isinstance(g, tf.IndexedSlices) for g in grads):
         return None
     guarded = {}
-    for variable in [*variables, *optimizer.variables]:
+    # Its EMA writes every variable it was built for, beyond those applied.
+    built_for = getattr(optimizer, "_trainable_variables", None) or []
+    for variable in [*variables, *built_for, *optimizer.variables]:
         value = variable.value if isinstance(variable, keras.Variable) else variable
         if not isinstance(value, tf.Variable) or isinstance(value, tf.distribute.DistributedValues):
             return None
