@@ -6,8 +6,9 @@ whether its own partial gradients held a NaN or an infinity, before the
 all-reduce mixed them (`backend/tensorflow/replicas.py`). On one replica
 the kept gradients themselves say it. Under `keras.distribution` on JAX
 the devices' partial gradients are summed inside XLA's compiled gradient
-and never exist as arrays; under `DataParallel`, with Keras's own step, a
-step whose kept gradients are not finite replays each device's rows alone
+and never exist as arrays; under `DataParallel`, in a model that judges
+its steps (`skip_bad_steps`) with Keras's own step, a step whose kept
+gradients are not finite replays each device's rows alone
 (`backend/jax_replay.py`), and those replays are the record. A step whose
 global gradient is finite had no bad device (a NaN or an infinity on one
 device would have reached the sum).

@@ -590,8 +590,9 @@ class KeepGradModel(backend.Trainer, keras.Model):
         the notes of the step the gradients were kept at. Under
         `keras.distribution.DataParallel` on JAX, where the devices'
         partial gradients never exist apart, a step whose kept gradients
-        are not finite replays each device's rows alone (Keras's own
-        `train_step` only; see `docs/distributed.md`).
+        are not finite replays each device's rows alone, where the model
+        judges its steps (`skip_bad_steps`) with Keras's own `train_step`
+        (see `docs/distributed.md`).
 
         Returns:
             The smallest replica index (`replica_id_in_sync_group`, the
@@ -607,9 +608,10 @@ class KeepGradModel(backend.Trainer, keras.Model):
             AttributeError, RuntimeError: As `gradients`. Also
                 RuntimeError where the kept gradients are not finite under
                 `keras.distribution` on several JAX devices and no device
-                was replayed: a `train_step` of the user's own, a batch
-                that does not split evenly, or a distribution other than
-                `DataParallel`.
+                was replayed (no `skip_bad_steps`, a `train_step` of the
+                user's own, a model that cannot run on one device's rows,
+                or a distribution other than `DataParallel`); it says
+                which.
         """
         return _replicas.first_bad_replica(self, self._checked_keeper())
 

@@ -6,7 +6,9 @@ gradient of the global batch's loss on sharded arrays, and XLA sums the
 devices' shares inside the compiled gradient: they never exist as arrays.
 Where the kept gradients are not finite, the step replays each device's
 rows alone (`bad_devices`), inside the same compiled step, from the state
-it began with, in a branch that runs only then.
+it began with, in a branch that runs only then. The branch makes XLA keep
+a copy of the weights each step (the update overwrites them in place), so
+it is compiled only where the model judges its steps (`devices_to_name`).
 """
 
 import jax
