@@ -162,3 +162,26 @@ def test_data_parallel_trains_a_model_that_cannot_run_on_fewer_rows():
         assert history.history["skipped_steps"] == [1.0]
         with pytest.raises(RuntimeError, match=r"could not run on one device's rows"):
             model.first_bad_replica  # noqa: B018
+
+
+@needs_two_devices
+def test_data_parallel_replays_each_device_at_the_steps_loss_scale():
+    """float16 compute, `LossScaleOptimizer` at 1024, w = 3, rows (1, 1 |
+    8, 8): the scaled kernel gradient 1024 * 6 * (1 + 1 + 64 + 64) / 4 =
+    199680 overflows float16 (65504); so does device 1's share, 1024 * 6 *
+    128 / 4 = 196608, not device 0's, 3072. Unscaled, every share is
+    finite (192 at most). The scale halves to 512; rows (8, 8 | 1, 1) then
+    overflow on device 0 (98304)."""
+    with data_parallel().scope():
+        model = one_weight(dtype="mixed_float16", skip_bad_steps=kg.SkipBadSteps(skip=False))
+        optimizer = keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.0), initial_scale=1024.0
+        )
+        model.compile(optimizer=optimizer, loss="mse")
+        firsts = []
+        for rows in ([1.0, 1.0, 8.0, 8.0], [8.0, 8.0, 1.0, 1.0]):
+            x = np.array(rows, "float32")[:, None]
+            model.fit(x, np.zeros_like(x), batch_size=4, shuffle=False, verbose=0)
+            assert np.isinf(np.asarray(model.gradients["dense_0"]["kernel"])[0, 0])
+            firsts.append((model.first_bad_replica, float(optimizer.dynamic_scale)))
+    assert firsts == [(1, 512.0), (0, 256.0)]
