@@ -247,7 +247,7 @@ def apply_if(run, apply, optimizer, variables, grads):
     del grads
     _capture.build_as_apply(optimizer, variables)
     # Its EMA writes every variable it was built for, beyond those applied.
-    built_for = getattr(optimizer, "_trainable_variables", None) or []
+    built_for = _compat.optimizer_variables(optimizer)
     tracked = list({id(v): v for v in [*variables, *built_for, *optimizer.variables]}.values())
     before = [v.value for v in tracked]
     result = apply()

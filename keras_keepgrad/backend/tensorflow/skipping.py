@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_keepgrad import _capture
+from keras_keepgrad import _compat
 
 __all__ = ["apply_if", "call_if", "deferring_host_calls", "host_cond", "replay_gradients"]
 
@@ -63,7 +64,7 @@ def _guardable(optimizer, variables, grads):
         return None
     guarded = {}
     # Its EMA writes every variable it was built for, beyond those applied.
-    built_for = getattr(optimizer, "_trainable_variables", None) or []
+    built_for = _compat.optimizer_variables(optimizer)
     for variable in [*variables, *built_for, *optimizer.variables]:
         value = variable.value if isinstance(variable, keras.Variable) else variable
         if not isinstance(value, tf.Variable) or isinstance(value, tf.distribute.DistributedValues):
