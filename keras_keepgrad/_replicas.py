@@ -17,7 +17,14 @@ device would have reached the sum).
 import keras
 import numpy as np
 
-__all__ = ["first_bad_replica", "first_of", "note", "one_replica_first_bad", "replica_count"]
+__all__ = [
+    "first_bad_replica",
+    "first_of",
+    "note",
+    "one_replica_first_bad",
+    "replay_refused",
+    "replica_count",
+]
 
 
 def replica_count(model):
@@ -61,6 +68,17 @@ def first_bad_replica(model, keeper):
 
 def _why_not_replayed(model, keeper):
     """Why the step did not replay each device's rows (`backend/jax_replay.py`)."""
+    error = getattr(keeper, "replay_error", None)
+    return replay_refused(model) or (
+        "The model could not run on one device's rows alone, so the step "
+        f"does not replay them ({type(error).__name__}: {error})."
+    )
+
+
+def replay_refused(model):
+    """Why a JAX step of `model` does not replay each device's rows
+    (`backend/jax_replay.py`), or None where it does: under `DataParallel`,
+    where the model judges its steps, with Keras's own step."""
     if not isinstance(keras.distribution.distribution(), keras.distribution.DataParallel):
         return "Only under `DataParallel` does the step replay each device's rows."
     if getattr(type(model).train_step, "_own_step", False):
@@ -74,11 +92,7 @@ def _why_not_replayed(model, keeper):
             "judges its steps: set `skip_bad_steps` (`kg.SkipBadSteps(skip="
             "False)` only flags bad steps, and trains as without it)."
         )
-    error = getattr(keeper, "replay_error", None)
-    return (
-        "The model could not run on one device's rows alone, so the step "
-        f"does not replay them ({type(error).__name__}: {error})."
-    )
+    return None
 
 
 def note(model):

@@ -14,7 +14,8 @@ it is compiled only where the model judges its steps (`devices_to_name`).
 import jax
 import jax.numpy as jnp
 import keras
-import numpy as np
+
+from keras_keepgrad import _replicas
 
 __all__ = ["bad_devices", "devices_to_name", "replay_gradients"]
 
@@ -60,13 +61,8 @@ def devices_to_name(model):
     """How many devices `bad_devices` replays on `model`'s steps: those of
     `DataParallel`, where the model judges its steps (`skip_bad_steps`)
     with Keras's own step (whose loss the replay recomputes); 1 (none)
-    else."""
-    distribution = keras.distribution.distribution()
-    if not isinstance(distribution, keras.distribution.DataParallel):
-        return 1
-    if model._skip_config is None or getattr(type(model).train_step, "_own_step", False):
-        return 1
-    return int(np.size(distribution.device_mesh.devices))
+    else (`_replicas.replay_refused` says why)."""
+    return 1 if _replicas.replay_refused(model) else _replicas.replica_count(model)
 
 
 def bad_devices(model, state, data, finite, count):
