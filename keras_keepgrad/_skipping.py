@@ -202,17 +202,24 @@ class SkippedSteps(keras.metrics.Metric):
         super().__init__(name=name, dtype="float32")
         self.window = window
         self.counts_steps = counts_steps
-        self.skipped = self.add_variable(shape=(), initializer="zeros", name="skipped")
+        self.skipped = self._state((), "skipped")
         # Training steps since the last reset: nothing is logged before one.
-        self.steps = self.add_variable(shape=(), initializer="zeros", name="steps")
-        self.norms = self.add_variable(shape=(window,), initializer="zeros", name="norms")
-        self.recorded = self.add_variable(shape=(), initializer="zeros", name="recorded")
-        self.position = self.add_variable(shape=(), initializer="zeros", name="position")
+        self.steps = self._state((), "steps")
+        self.norms = self._state((window,), "norms")
+        self.recorded = self._state((), "recorded")
+        self.position = self._state((), "position")
         self.names = ("skipped", "steps", "norms", "recorded", "position")
         if counts_steps:
             # Where batches are saved: the step number, never reset.
-            self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+            self.total = self._state((), "total")
             self.names += ("total",)
+
+    def _state(self, shape, name):
+        # Under a `tf.distribute` strategy every replica judges the global
+        # gradients and holds the same state: read once, not summed.
+        return self.add_variable(
+            shape=shape, initializer="zeros", aggregation="only_first_replica", name=name
+        )
 
     def state_variables(self):
         return [getattr(self, n) for n in self.names]
@@ -248,17 +255,9 @@ def check_allowed(model):
             "(`keep_gradients=False`). Set `model.keep_gradients = True`, or "
             "`model.skip_bad_steps = None`."
         )
-    strategy = getattr(model, "distribute_strategy", None)
-    if strategy is not None and strategy.num_replicas_in_sync > 1:
-        raise ValueError(
-            "`skip_bad_steps` is not supported under a `tf.distribute` strategy "
-            f"with several replicas. Received: {type(strategy).__name__} of "
-            f"{strategy.num_replicas_in_sync} replicas for model {model.name!r}. "
-            "Each replica would judge its own partial gradients, not the "
-            "global ones every replica applies. Train on one replica, or set "
-            "`model.skip_bad_steps = None`; `model.first_bad_replica` names "
-            "the replica whose share of a batch went non-finite."
-        )
+    refused = model._strategy_refuses_skipping()
+    if refused is not None:
+        raise ValueError(refused)
 
 
 @_torch_compile.eager
@@ -373,6 +372,9 @@ class Guard:
     def apply(self, optimizer, variables, kept, grads, apply):
         """Runs `apply()` (a stateful `apply` of `grads`) unless the update
         is bad."""
+        # Under a strategy, each replica judges the global gradients: all
+        # replicas take the same decision, on what one device would see.
+        kept = backend.global_gradients(_capture.current_step(), kept, grads)
         self._hold(variables, kept)
         scale = None
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -445,4 +447,4 @@ class Guard:
         if first is not None:
             tensors["first_bad_replica"] = first
         save = functools.partial(_evidence.save, config.save_batches_to, config.max_saved)
-        backend.call_if(bad, save, tensors)
+        backend.call_if(bad, save, tensors, rows=tuple(self.data))

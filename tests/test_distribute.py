@@ -48,13 +48,14 @@ if {devices} > 1:
         [tf.config.LogicalDeviceConfiguration()] * {devices},
     )
 sys.path[:0] = [{repo!r}, {here!r}]
-import test_distribute
-print(test_distribute._MARK + json.dumps(test_distribute.{entry}()), flush=True)
+import {module}
+print({module}._MARK + json.dumps({module}.{entry}()), flush=True)
 """
 
 
-def _python(entry, devices, env=None):
-    code = _PRELUDE.format(devices=devices, repo=REPO, here=HERE, entry=entry)
+def _python(entry, devices, env=None, module="test_distribute"):
+    """A subprocess on `devices` logical CPUs that prints `module.entry()`."""
+    code = _PRELUDE.format(devices=devices, repo=REPO, here=HERE, entry=entry, module=module)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
     return subprocess.Popen(
         [sys.executable, "-c", code],

@@ -9,8 +9,10 @@ tested only for a per-backend fast path or a TensorFlow-only feature: in
 - `GradientKeeper`: the backend's `base.Keeper`.
 - `Trainer`: the backend's `base.Trainer`, a base of `KeepGradModel`.
 - `apply_if`: runs an optimizer's `apply` only where a step is not
-  skipped (`_skipping`); `call_if`: a host call where a step was skipped,
-  and `replay_gradients`: a saved batch's gradients again (`_evidence`).
+  skipped, and `global_gradients`: what a step is judged by, the same on
+  every replica of a `tf.distribute` strategy (`_skipping`); `call_if`: a
+  host call where a step was skipped, and `replay_gradients`: a saved
+  batch's gradients again (`_evidence`).
 - `densify`, `unscale`, `current_step_gradients`: reading the gradients
   of the training step being run or traced (`current_step_variables`,
   `current_step_updates` and `reduces_in_step` where the backend has them).
@@ -23,6 +25,7 @@ from keras_keepgrad._capture import in_evaluation_step
 from keras_keepgrad._capture import nest_by_path
 
 if _compat.BACKEND == "jax":
+    from keras_keepgrad.backend.base import global_gradients
     from keras_keepgrad.backend.jax import GradientKeeper
     from keras_keepgrad.backend.jax import Trainer
     from keras_keepgrad.backend.jax import apply_if
@@ -34,6 +37,7 @@ if _compat.BACKEND == "jax":
     from keras_keepgrad.backend.jax import replay_gradients
     from keras_keepgrad.backend.jax import unscale
 elif _compat.BACKEND == "torch":
+    from keras_keepgrad.backend.base import global_gradients
     from keras_keepgrad.backend.torch import GradientKeeper
     from keras_keepgrad.backend.torch import Trainer
     from keras_keepgrad.backend.torch import apply_if
@@ -44,6 +48,7 @@ elif _compat.BACKEND == "torch":
     from keras_keepgrad.backend.torch import replay_gradients
     from keras_keepgrad.backend.torch import unscale
 else:
+    from keras_keepgrad.backend.tensorflow.distribute import global_gradients
     from keras_keepgrad.backend.tensorflow.distribute import reduces_in_step
     from keras_keepgrad.backend.tensorflow.keeper import GradientKeeper
     from keras_keepgrad.backend.tensorflow.keeper import current_step_gradients

@@ -191,6 +191,14 @@ def densify(grad):
     return ops.convert_to_tensor(grad)
 
 
+def global_gradients(step, kept, passed):
+    """What `step` is judged by (`_skipping`): `kept`, one `apply`'s kept
+    gradients, already the global ones on JAX (under a `keras.distribution`
+    the step computes on global arrays) and PyTorch."""
+    del step, passed
+    return kept
+
+
 def current_step_gradients():
     """The `{path: grad}` kept so far in the training step being run, else None.
 
@@ -293,6 +301,11 @@ class Trainer:
         tensor): where the devices' partial gradients never exist apart
         but can be replayed (JAX `DataParallel`); else None."""
         del args, finite
+
+    def _strategy_refuses_skipping(self):
+        """Why the model's distribution strategy cannot skip bad steps
+        (`skip_bad_steps`), or None."""
+        return None
 
     def _skip_state_in(self, args, variables):
         """The values of `variables` (the state of `skip_bad_steps`) as the

@@ -256,10 +256,13 @@ def apply_if(run, apply, optimizer, variables, grads):
     return result
 
 
-def call_if(flag, fn, tensors):
+def call_if(flag, fn, tensors, rows=()):
     """Runs `fn({name: np.ndarray})` on the host where `flag` is true: a
     `jax.debug.callback` in a branch of a `jax.lax.cond`, so that the
-    tensors leave the device only where `flag` holds (`_evidence`)."""
+    tensors leave the device only where `flag` holds (`_evidence`).
+    `rows` matter only under a `tf.distribute` strategy: the jitted step
+    holds the whole batch, on every device count."""
+    del rows
 
     def host(arrays):
         fn({name: np.asarray(value) for name, value in arrays.items()})

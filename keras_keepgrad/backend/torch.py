@@ -268,9 +268,11 @@ def apply_if(run, apply, optimizer, variables, grads):
     return None
 
 
-def call_if(flag, fn, tensors):
+def call_if(flag, fn, tensors, rows=()):
     """Runs `fn({name: np.ndarray})` where `flag` is true (`_evidence`):
-    the step's bookkeeping runs eagerly, so a Python `if` decides."""
+    the step's bookkeeping runs eagerly, so a Python `if` decides.
+    `rows` matter only under a `tf.distribute` strategy."""
+    del rows
     if bool(flag):
         fn({name: ops.convert_to_numpy(value) for name, value in tensors.items()})
 

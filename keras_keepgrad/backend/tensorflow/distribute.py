@@ -19,6 +19,7 @@ from keras_keepgrad.backend.tensorflow.slots import map_values
 __all__ = [
     "agree_on_skip",
     "all_reduce_sum",
+    "global_gradients",
     "install_reduction_reuse",
     "none_for_none_spec",
     "reduces_in_step",
@@ -40,6 +41,39 @@ def all_reduce_sum(grads):
     return list(context.all_reduce(tf.distribute.ReduceOp.SUM, grads))
 
 
+def global_gradients(step, kept, passed):
+    """`kept` (one `apply`'s kept partial gradients, which the update
+    receives as `passed`) all-reduced in a replica's step of a strategy,
+    to judge the step by: the same on every replica. Else `kept`, which
+    then are the global gradients.
+
+    Where the update receives a kept gradient as it is (in the step's
+    `backend_state.passed`), that is what is summed, and the update's own
+    all-reduce then reuses the sum (`_reusing_reductions`, which finds it
+    in `backend_state.presummed`): one all-reduce per step, as without
+    the judgement. Where the step all-reduced the kept gradients already
+    (`reduces_in_step`), they are `kept`.
+    """
+    state = step.backend_state
+    context = tf.distribute.get_replica_context()
+    if (
+        context is None
+        or context.num_replicas_in_sync == 1
+        or reduces_in_step(step.keeper.strategy)
+    ):
+        return kept
+    presummed = vars(state).setdefault("presummed", {})
+    sources = [p if id(p) in state.passed else k for k, p in zip(kept, passed)]
+    present = [i for i, g in enumerate(sources) if g is not None]
+    summed = list(kept)
+    for i, total in zip(present, all_reduce_sum([sources[i] for i in present])):
+        summed[i] = total
+        if id(sources[i]) in state.passed:
+            # Matched by identity, as `state.passed`: held until the step ends.
+            presummed[id(sources[i])] = (sources[i], total)
+    return summed
+
+
 def _reusing_reductions(all_reduce_sum_gradients):
     """Wraps an optimizer's `_all_reduce_sum_gradients`: in a training step
     of a `KeepGradModel`, each reduced gradient that is a kept partial
@@ -51,9 +85,16 @@ def _reusing_reductions(all_reduce_sum_gradients):
     @functools.wraps(all_reduce_sum_gradients)
     def reusing(optimizer, grads_and_vars):
         grads_and_vars = list(grads_and_vars)
-        result = all_reduce_sum_gradients(optimizer, grads_and_vars)
         step = _capture.current_step()
         state = getattr(step, "backend_state", None)
+        presummed = getattr(state, "presummed", None)
+        if presummed and all(
+            g is None or presummed.get(id(g), (None,))[0] is g for g, _ in grads_and_vars
+        ):
+            # Summed already, to judge the step (`global_gradients`).
+            result = [(None if g is None else presummed[id(g)][1], v) for g, v in grads_and_vars]
+        else:
+            result = all_reduce_sum_gradients(optimizer, grads_and_vars)
         passed = getattr(state, "passed", None)
         if passed:
             for (grad, _), (summed, _) in zip(grads_and_vars, result):

@@ -6,6 +6,8 @@ and `replay_gradients`.
 """
 
 import contextlib
+import functools
+import threading
 
 import keras
 import numpy as np
@@ -31,6 +33,11 @@ def apply_if(run, apply, optimizer, variables, grads):
     """
     # Outside the branch: a `tf.cond` cannot create the optimizer's variables.
     _capture.build_as_apply(optimizer, variables)
+    context = tf.distribute.get_replica_context()
+    if context is not None and context.num_replicas_in_sync > 1:
+        written = _replica_components(optimizer, variables)
+        with _guarding_replica_writes(run, written, context):
+            return apply()
     if not tf.executing_eagerly():
         guarded = _guardable(optimizer, variables, grads)
         if guarded is not None:
@@ -62,15 +69,67 @@ def _guardable(optimizer, variables, grads):
         return None
     if any(isinstance(g, tf.IndexedSlices) for g in grads):
         return None
-    guarded = {}
+    written = _written(optimizer, variables)
+    for value in written:
+        if not isinstance(value, tf.Variable) or isinstance(value, tf.distribute.DistributedValues):
+            return None
+    return written
+
+
+def _written(optimizer, variables):
+    """What an update of `variables` by `optimizer` can write: their and
+    the optimizer's variables, as the `tf.Variable`s that hold them."""
+    written = {}
     # Its EMA writes every variable it was built for, beyond those applied.
     built_for = _compat.optimizer_variables(optimizer)
     for variable in [*variables, *built_for, *optimizer.variables]:
         value = variable.value if isinstance(variable, keras.Variable) else variable
-        if not isinstance(value, tf.Variable) or isinstance(value, tf.distribute.DistributedValues):
-            return None
-        guarded[id(value)] = value
-    return list(guarded.values())
+        written[id(value)] = value
+    return list(written.values())
+
+
+def _replica_components(optimizer, variables):
+    """`[(component, replica)]`: each replica's copy of what an update can
+    write (`_written`), under a `tf.distribute` strategy of several
+    replicas in this process.
+
+    A replica's step cannot hold its update in a `tf.cond`: the update's
+    `merge_call` is not allowed in one. The writes are guarded instead,
+    each copy with its own replica's judgement (`_guarding_replica_writes`).
+    That needs every write to go through the copies' `assign*` or
+    `scatter_*` methods, as Keras's own optimizers' do.
+
+    Raises:
+        ValueError: `optimizer` is not one of Keras's, or something it
+            writes is not a variable of the strategy.
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    for each in (optimizer, inner):
+        if not type(each).__module__.startswith("keras."):
+            raise ValueError(
+                "Under a `tf.distribute` strategy with several replicas, "
+                "`skip_bad_steps` skips the updates of Keras's own optimizers "
+                "only (it guards each write they make to their variables). "
+                f"Received: optimizer of type {type(each).__qualname__} from "
+                f"{type(each).__module__!r}. Use one of `keras.optimizers`, "
+                "train on one replica, or set `model.skip_bad_steps = None`."
+            )
+    strategy = tf.distribute.get_strategy()
+    components = []
+    for value in _written(optimizer, variables):
+        if not isinstance(value, tf.distribute.DistributedValues):
+            raise ValueError(
+                f"Variable {value.name!r} is written by the update of "
+                f"{type(optimizer).__name__} but is not a variable of the "
+                f"model's {type(strategy).__name__}: it was made outside "
+                "`strategy.scope()`. Make the model and its optimizer in "
+                "the strategy's scope."
+            )
+        components.extend(
+            (copy, replica)
+            for replica, copy in enumerate(strategy.experimental_local_results(value))
+        )
+    return components
 
 
 @contextlib.contextmanager
@@ -121,6 +180,99 @@ def _guarding_writes(run, variables, select):
             del variable.assign, variable.assign_add, variable.assign_sub
 
 
+# Per strategy being traced: `{"runs": {replica: run}, "open": count}`.
+_replica_runs = {}
+_replica_runs_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _guarding_replica_writes(run, components, context):
+    """While open, each write to a replica's copy in `components`
+    (`[(tf.Variable, replica index)]`) happens only where that replica's
+    `run` is true.
+
+    Every replica's step opens it, with its own `run` (one value on every
+    replica: it judges the global gradients). The copies are written
+    where the replicas' updates meet (`merge_call`), once every replica
+    has opened it, or in a replica's own step for its own copy (a
+    variable without aggregation, such as a `LossScaleOptimizer`'s
+    counter). The first replica to open it guards every copy; the last to
+    leave, or the first to raise, restores them.
+    """
+    replica = tf.get_static_value(context.replica_id_in_sync_group)
+    key = id(context.strategy)
+    with _replica_runs_lock:
+        entry = _replica_runs.setdefault(key, {"runs": {}, "open": 0})
+        entry["runs"][int(replica)] = run
+        entry["open"] += 1
+        first = entry["open"] == 1
+    if first:
+        for variable, index in components:
+            _guard_copy(variable, functools.partial(_run_of, entry["runs"], index))
+    raised = True
+    try:
+        yield
+        raised = False
+    finally:
+        with _replica_runs_lock:
+            entry["open"] -= 1
+            # A replica that raised ends the trace: nothing is left guarded.
+            last = (entry["open"] == 0 or raised) and _replica_runs.get(key) is entry
+            if last:
+                del _replica_runs[key]
+        if last:
+            for variable, _ in components:
+                for name in _GUARDED_METHODS:
+                    variable.__dict__.pop(name, None)
+
+
+def _run_of(runs, replica):
+    if replica not in runs:
+        raise RuntimeError(
+            f"Replica {replica}'s copy of a variable was written before its "
+            "step judged its gradients."
+        )
+    return runs[replica]
+
+
+_GUARDED_METHODS = (
+    "assign",
+    "assign_add",
+    "assign_sub",
+    "scatter_update",
+    "scatter_add",
+    "scatter_sub",
+)
+
+
+def _guard_copy(variable, run_of):
+    """Guards each write method of `variable` (one replica's copy): in a
+    `tf.cond` of `run_of()`, returning what the method returns."""
+
+    def guard(method, reads):
+        def write(value, *args, **kwargs):
+            read_value = kwargs.pop("read_value", True) if reads else True
+
+            def written():
+                if reads:
+                    kwargs["read_value"] = False
+                method(value, *args, **kwargs)
+                return tf.constant(True)
+
+            done = tf.cond(run_of(), written, lambda: tf.constant(False))
+            if not read_value:
+                return done.op
+            with tf.control_dependencies([done]):
+                return variable.read_value()
+
+        return write
+
+    for name in _GUARDED_METHODS:
+        # The class's method: never a guard left by another trace.
+        method = getattr(type(variable), name).__get__(variable)
+        setattr(variable, name, guard(method, name.startswith("assign")))
+
+
 @contextlib.contextmanager
 def deferring_host_calls():
     """Collects the `call_if`s of an XLA step, which cannot call the host:
@@ -137,15 +289,37 @@ def deferring_host_calls():
         _deferred.pop()
 
 
-def call_if(flag, fn, tensors):
+def call_if(flag, fn, tensors, rows=()):
     """Runs `fn({name: np.ndarray})` on the host where `flag` is true.
 
     Eager: a Python `if`. Graph: a `tf.cond` around a `tf.numpy_function`,
     so the tensors leave the device only where `flag` holds. In an XLA step
     (`deferring_host_calls`) that `tf.cond` follows the XLA program.
+
+    In a replica's step of a strategy with several replicas, `fn` runs
+    once for all of them, where they meet (`merge_call`): the tensors
+    named in `rows` (each replica's share of the batch) are concatenated
+    in replica order, which is the order in which the strategy split the
+    batch; the others (the same on every replica) are replica 0's.
     """
     names = list(tensors)
     values = [tensors[n] for n in names]
+    context = tf.distribute.get_replica_context()
+    if context is not None and context.num_replicas_in_sync > 1:
+
+        def merged(strategy, flag, *values):
+            local = strategy.experimental_local_results
+
+            def joined():
+                return [
+                    tf.concat(local(v), 0) if n in rows else local(v)[0]
+                    for n, v in zip(names, values)
+                ]
+
+            host_cond(local(flag)[0], names, joined, fn)
+
+        context.merge_call(merged, args=(flag, *values))
+        return
     if tf.executing_eagerly():
         if bool(flag):
             fn({n: np.asarray(v) for n, v in zip(names, values)})
@@ -157,14 +331,16 @@ def call_if(flag, fn, tensors):
 
 
 def host_cond(flag, names, values, fn):
-    """The graph part of `call_if`."""
+    """The graph part of `call_if`. `values`: tensors, or a function that
+    returns them, called in the branch."""
 
     def host(*arrays):
         fn(dict(zip(names, arrays)))
         return np.bool_(True)
 
     def run():
-        return tf.reshape(tf.numpy_function(host, values, tf.bool, stateful=True), [])
+        tensors = values() if callable(values) else values
+        return tf.reshape(tf.numpy_function(host, tensors, tf.bool, stateful=True), [])
 
     tf.cond(flag, run, lambda: tf.constant(False))
 

@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 from keras import tree
 
+from keras_keepgrad import _capture
 from keras_keepgrad import _compat
 from keras_keepgrad.backend import base
 from keras_keepgrad.backend.tensorflow import distribute
@@ -111,6 +112,35 @@ class Trainer(base.Trainer):
         # A traced step raises as it is traced, before anything runs; the
         # replicas' copies under a strategy are not put back.
         return tf.executing_eagerly() and not tf.distribute.has_strategy()
+
+    def _strategy_refuses_skipping(self):
+        strategy = self.distribute_strategy
+        if strategy.num_replicas_in_sync == 1 or isinstance(
+            strategy, tf.distribute.MirroredStrategy
+        ):
+            return None
+        return (
+            "`skip_bad_steps` under a `tf.distribute` strategy with several "
+            "replicas is supported with `MirroredStrategy` only. Received: "
+            f"{type(strategy).__name__} of {strategy.num_replicas_in_sync} "
+            f"replicas for model {self.name!r}. Use `MirroredStrategy`, train "
+            "on one replica, or set `model.skip_bad_steps = None`; "
+            "`model.first_bad_replica` names the replica whose share of a "
+            "batch went non-finite."
+        )
+
+    def _bad_devices(self, args, finite):
+        # Under a strategy: each replica's own partial gradients, as noted
+        # before the all-reduce (`replicas.BadReplicas`), one float each.
+        del args, finite
+        context = tf.distribute.get_replica_context()
+        step = _capture.current_step()
+        bad = getattr(getattr(step, "backend_state", None), "replica_bad", None)
+        if context is None or context.num_replicas_in_sync == 1 or bad is None:
+            return None
+        count = context.num_replicas_in_sync
+        flags = tf.one_hot(context.replica_id_in_sync_group, count) * tf.cast(bad, tf.float32)
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, flags) > 0
 
     def _checked_jit_compile(self, value):
         if value and self.distribute_strategy.num_replicas_in_sync > 1:

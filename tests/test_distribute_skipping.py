@@ -1,0 +1,397 @@
+"""`skip_bad_steps` under `tf.distribute.MirroredStrategy` on 2 logical CPUs.
+
+Every replica judges the global gradient (the sum of the replicas'
+partial gradients), so they all skip or all apply, on what one device
+would see. The scenarios run in a subprocess that first splits the CPU
+into 2 logical devices (see `test_distribute.py`); the pytest process
+reads their JSON.
+
+The one-weight model of the suite: a bias-free Dense(1) with w = 3, y = 0,
+mse. On 2 replicas a batch x = [p, q] splits in order: replica 0 keeps the
+partial gradient w p^2 (its loss is scaled by 1/2), replica 1 w q^2, and
+the global gradient is w (p^2 + q^2). Learning rates are powers of 2, so
+every weight below is exact in float32.
+"""
+
+import numpy as np
+import pytest
+from test_distribute import _MARK  # noqa: F401  (the subprocess prints with it)
+from test_distribute import _dataset
+from test_distribute import _fit
+from test_distribute import _ok
+from test_distribute import _python
+from test_distribute import _result
+from test_distribute import _scenario
+from test_distribute import _weight
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def skipping():
+    return _result(_python("_skipping_scenarios", devices=2, module="test_distribute_skipping"))
+
+
+def test_replicas_skip_a_nan_and_a_spike_of_the_global_gradient(skipping):
+    r = _ok(skipping, "nan_and_spike")
+    # Step 1, x = [1, 2]: global 3 * 5 = 15, applied: w = 3 - 15 / 8.
+    # Step 2, x = [1, NaN]: replica 1's partial is NaN, skipped.
+    # Step 3, x = [1, 1]: global 1.125 * 2 = 2.25 < 2 * 15, applied:
+    # w = 1.125 - 2.25 / 8. Step 4, x = [2, 2]: global 0.84375 * 8 = 6.75
+    # > 2 * 2.25 (window 1), skipped, although each replica's partial,
+    # 3.375, is below 4.5: the replicas judge the sum.
+    assert r["weights"] == [1.125, 1.125, 0.84375, 0.84375]
+    assert r["iterations"] == [1, 1, 2, 2]
+    assert r["skipped_steps"] == [0.0, 1.0, 1.0, 2.0]
+    assert r["first_bad_replica"] == [None, 1, None, None]
+    assert r["gradients"] == [[[15.0]], ["nan"], [[2.25]], [[6.75]]]
+    # Counted once, not once per replica, when read between steps.
+    assert r["metric_result"] == 2.0
+
+
+def test_a_sum_of_finite_partials_that_overflows_is_skipped(skipping):
+    r = _ok(skipping, "overflow")
+    # x = [1e19, 1e19]: each replica's partial 3 * 1e38 is finite, their
+    # sum 6e38 is beyond float32: skipped, though no replica went bad.
+    assert r["partials_finite"] is True
+    assert r["weights"] == [3.0]
+    assert r["skipped_steps"] == [1.0]
+    assert r["gradients"] == [["inf"]]
+    assert r["first_bad_replica"] == [None]
+
+
+def test_the_saved_batch_is_the_global_batch_and_replays(skipping):
+    r = _ok(skipping, "nan_and_spike")
+    assert r["files"] == ["bad_step_00000002.npz", "bad_step_00000004.npz"]
+    nan, spike = r["saved"]
+    # Both replicas' rows, in the order the strategy split them; the
+    # global gradient; the replica whose partial went bad (-1: none).
+    assert nan == {
+        "x": ["1.0", "nan"],
+        "y": [[0.0], [0.0]],
+        "step": 2.0,
+        "grad/dense_0/kernel": ["nan"],
+        "skipped": True,
+        "first_bad_replica": 1,
+    }
+    assert spike == {
+        "x": [[2.0], [2.0]],
+        "y": [[0.0], [0.0]],
+        "step": 4.0,
+        "grad/dense_0/kernel": [[6.75]],
+        "skipped": True,
+        "first_bad_replica": -1,
+    }
+    # Step 4 was skipped, so the weights are still those it saw.
+    assert r["replayed_spike"] == [[6.75]]
+
+
+def test_adam_skips_bit_identical_to_plain_keras_on_the_good_batches(skipping):
+    r = _ok(skipping, "adam_as_plain")
+    assert r["skipped_steps"] == [1.0]
+    # Weights, moments and iteration count: plain Keras's, to the bit.
+    assert r["same_bits"] is True
+    assert r["iterations"] == 2
+
+
+def test_a_sparse_gradient_is_skipped_row_for_row(skipping):
+    r = _ok(skipping, "embedding")
+    # Rows 0 and 1 of Embedding(3, 1), all ones; y = [0, NaN] makes
+    # replica 1's partial NaN: nothing moves. Then y = [0, 0]: each row's
+    # gradient is e_i = 1 (mean of 2 rows of (e - y)^2), SGD(0.5) -> 0.5.
+    assert r["after_nan"] == [[1.0], [1.0], [1.0]]
+    assert r["after_good"] == [[0.5], [0.5], [1.0]]
+    assert r["iterations"] == [0, 1]
+    assert r["skipped_steps"] == [1.0, 0.0]
+
+
+def test_under_loss_scaling_the_optimizer_halves_its_scale_and_a_spike_is_skipped(skipping):
+    r = _ok(skipping, "loss_scale")
+    # Step 1 applied, w = 1.125 (the counter counts it); step 2 (NaN) is
+    # skipped by the optimizer, which halves its scale and resets the
+    # counter; step 3, x = [4, 4]: 1.125 * 32 = 36 > 2 * 15 (the NaN step
+    # joined no norm), a spike the guard skips (each partial, 18, is
+    # not one): the counter does not count it.
+    assert r["weights"] == [1.125, 1.125, 1.125]
+    assert r["scale"] == [32768.0, 16384.0, 16384.0]
+    assert r["counter"] == [1, 0, 0]
+    assert r["skipped_steps"] == [0.0, 1.0, 2.0]
+
+
+def test_skipping_adds_no_all_reduce_of_the_gradients(skipping):
+    r = _ok(skipping, "all_reduces")
+    # Each replica's trace all-reduces the one gradient once, skipping or
+    # not: the optimizer's update reuses the sum the judgement took.
+    assert len(r["plain"]) >= 2 and r["plain"] == r["skipping"]
+    assert r["skipping_gradients"] == [1] * len(r["skipping_gradients"])
+    # Saving the batch adds one all-reduce of the replicas' flags (2
+    # floats) per replica's trace.
+    assert r["saving_extra"] == [[2]] * len(r["skipping_gradients"])
+
+
+def test_an_own_step_is_guarded(skipping):
+    r = _ok(skipping, "own_step")
+    assert r["weights"] == [1.125, 1.125]
+    assert r["skipped_steps"] == [0.0, 1.0]
+
+
+def test_an_optimizer_of_its_own_is_refused_before_any_update(skipping):
+    r = _ok(skipping, "own_optimizer")
+    assert "skips the updates of Keras's own optimizers only" in r["message"]
+    assert "optimizer of type" in r["message"] and "OwnSGD" in r["message"]
+    assert r["weight"] == 3.0
+    assert r["iterations"] == 0
+
+
+# What the subprocess runs ----------------------------------------------------
+
+
+def _json(array):
+    array = np.asarray(array)
+    if np.all(np.isfinite(array)):
+        return array.tolist()
+    return [str(v) for v in array.ravel()]
+
+
+def _model(strategy, optimizer, cls=None, **options):
+    import keras
+
+    import keras_keepgrad as kg
+
+    cls = cls or kg.KeepGradModel
+    with strategy.scope():
+        inputs = keras.Input((1,))
+        layer = keras.layers.Dense(
+            1, use_bias=False, kernel_initializer=keras.initializers.Constant(3.0), name="dense_0"
+        )
+        model = cls(inputs, layer(inputs), **options)
+        model.compile(optimizer=optimizer(), loss="mse")
+    return model
+
+
+def _steps(model, batches):
+    """Fits one batch at a time; records what each step left."""
+    record = {k: [] for k in ("weights", "iterations", "skipped_steps", "gradients")}
+    record["first_bad_replica"] = []
+    for rows in batches:
+        rows = np.asarray(rows, "float32").reshape(-1, 1)
+        history = _fit(model, _dataset(rows, np.zeros_like(rows), batch_size=len(rows)))
+        record["weights"].append(_weight(model))
+        record["iterations"].append(int(np.asarray(model.optimizer.iterations)))
+        record["skipped_steps"].append(float(history.history["skipped_steps"][0]))
+        record["gradients"].append(_json(model.gradients["dense_0"]["kernel"]))
+        record["first_bad_replica"].append(model.first_bad_replica)
+    return record
+
+
+def _scenario_nan_and_spike(strategy, directory):
+    import os
+
+    import keras
+
+    import keras_keepgrad as kg
+
+    config = kg.SkipBadSteps(spike_factor=2.0, window=1, save_batches_to=directory)
+    model = _model(strategy, lambda: keras.optimizers.SGD(0.125), skip_bad_steps=config)
+    # One epoch of 4 batches, then the same steps one at a time would
+    # reset the count: fit all 4 in one `fit`, reading after each batch.
+    rows = [[1.0, 2.0], [1.0, np.nan], [1.0, 1.0], [2.0, 2.0]]
+    result = {k: [] for k in ("weights", "iterations", "gradients", "first_bad_replica")}
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            result["weights"].append(_weight(model))
+            result["iterations"].append(int(np.asarray(model.optimizer.iterations)))
+            result["gradients"].append(_json(model.gradients["dense_0"]["kernel"]))
+            result["first_bad_replica"].append(model.first_bad_replica)
+            result.setdefault("skipped_steps", []).append(float(logs["skipped_steps"]))
+
+    x = np.asarray(rows, "float32").reshape(-1, 1)
+    _fit(model, _dataset(x, np.zeros_like(x), batch_size=2), callbacks=[Record()])
+    result["metric_result"] = float(np.asarray(model._skipped_metric.result()["skipped_steps"]))
+    result["files"] = sorted(os.listdir(directory))
+    result["saved"] = []
+    for name in result["files"]:
+        with np.load(os.path.join(directory, name)) as f:
+            result["saved"].append({k: _saved(f[k]) for k in f.files})
+    replayed = kg.replay_batch(model, os.path.join(directory, result["files"][-1]))
+    result["replayed_spike"] = _json(replayed["dense_0/kernel"])
+    return result
+
+
+def _scenario_overflow(strategy):
+    import keras
+
+    model = _model(strategy, lambda: keras.optimizers.SGD(0.125), skip_bad_steps=True)
+    record = _steps(model, [[1e19, 1e19]])
+    partial = np.float32(3.0) * np.float32(1e19) * np.float32(1e19)
+    record["partials_finite"] = bool(np.isfinite(partial))
+    return record
+
+
+def _saved(array):
+    if array.ndim == 0:
+        return array.item()
+    return _json(array)
+
+
+def _scenario_adam_as_plain(strategy):
+    import keras
+
+    good = [[1.0, 2.0], [2.0, 1.0]]
+    model = _model(strategy, lambda: keras.optimizers.Adam(0.125), skip_bad_steps=True)
+    plain = _model(strategy, lambda: keras.optimizers.Adam(0.125), cls=keras.Model)
+    x = np.asarray([*good[0], 1.0, np.nan, *good[1]], "float32").reshape(-1, 1)
+    history = _fit(model, _dataset(x, np.zeros_like(x), batch_size=2))
+    x = np.asarray([*good[0], *good[1]], "float32").reshape(-1, 1)
+    _fit(plain, _dataset(x, np.zeros_like(x), batch_size=2))
+
+    def bits(m):
+        return [np.asarray(v).tobytes() for v in [*m.weights, *m.optimizer.variables]]
+
+    return {
+        "skipped_steps": [float(v) for v in history.history["skipped_steps"]],
+        "same_bits": bits(model) == bits(plain),
+        "iterations": int(np.asarray(model.optimizer.iterations)),
+    }
+
+
+def _scenario_embedding(strategy):
+    import keras
+
+    import keras_keepgrad as kg
+
+    with strategy.scope():
+        inputs = keras.Input((1,), dtype="int32")
+        table = keras.layers.Embedding(3, 1, embeddings_initializer="ones", name="table")
+        outputs = keras.layers.Flatten()(table(inputs))
+        model = kg.KeepGradModel(inputs, outputs, skip_bad_steps=True)
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    result = {"iterations": [], "skipped_steps": []}
+    ids = np.array([[0], [1]], "int32")
+    for name, y in (("after_nan", [[0.0], [np.nan]]), ("after_good", [[0.0], [0.0]])):
+        history = _fit(model, _dataset(ids, y, batch_size=2))
+        result[name] = np.asarray(table.embeddings).tolist()
+        result["iterations"].append(int(np.asarray(model.optimizer.iterations)))
+        result["skipped_steps"].append(float(history.history["skipped_steps"][0]))
+    return result
+
+
+def _scenario_loss_scale(strategy):
+    import keras
+
+    import keras_keepgrad as kg
+
+    def optimizer():
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.125))
+
+    config = kg.SkipBadSteps(spike_factor=2.0, window=1)
+    model = _model(strategy, optimizer, skip_bad_steps=config)
+    result = {"weights": [], "scale": [], "counter": [], "skipped_steps": []}
+    x = np.asarray([1.0, 2.0, 1.0, np.nan, 4.0, 4.0], "float32").reshape(-1, 1)
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            result["weights"].append(_weight(model))
+            result["scale"].append(float(np.asarray(model.optimizer.dynamic_scale)))
+            result["counter"].append(int(np.asarray(model.optimizer.step_counter)))
+            result["skipped_steps"].append(float(logs["skipped_steps"]))
+
+    _fit(model, _dataset(x, np.zeros_like(x), batch_size=2), callbacks=[Record()])
+    return result
+
+
+def _scenario_all_reduces(strategy, directory):
+    import keras
+    import tensorflow as tf
+
+    import keras_keepgrad as kg
+
+    original = tf.distribute.ReplicaContext.all_reduce
+    calls = []
+
+    def counting(self, reduce_op, value, options=None):
+        calls.append([int(np.prod(t.shape)) for t in tf.nest.flatten(value)])
+        return original(self, reduce_op, value, options)
+
+    tf.distribute.ReplicaContext.all_reduce = counting
+    result = {}
+    try:
+        x = np.asarray([1.0, 2.0], "float32").reshape(-1, 1)
+        for name, skip in (
+            ("plain", None),
+            ("skipping", True),
+            ("saving", kg.SkipBadSteps(save_batches_to=directory)),
+        ):
+            calls.clear()
+            model = _model(strategy, lambda: keras.optimizers.SGD(0.125), skip_bad_steps=skip)
+            _fit(model, _dataset(x, np.zeros_like(x), batch_size=2))
+            result[name] = list(calls)
+    finally:
+        tf.distribute.ReplicaContext.all_reduce = original
+    result["skipping_gradients"] = [len(c) for c in result["skipping"]]
+    result["saving_extra"] = [c for c in result["saving"] if c not in result["skipping"]]
+    return result
+
+
+def _scenario_own_step(strategy):
+    import keras
+    import tensorflow as tf
+
+    import keras_keepgrad as kg
+
+    class OwnStep(kg.KeepGradModel):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(grads, self.trainable_variables)
+            return {"loss": loss}
+
+    model = _model(strategy, lambda: keras.optimizers.SGD(0.125), cls=OwnStep, skip_bad_steps=True)
+    record = _steps(model, [[1.0, 2.0], [1.0, np.nan]])
+    return {"weights": record["weights"], "skipped_steps": record["skipped_steps"]}
+
+
+def _scenario_own_optimizer(strategy):
+    import keras
+
+    class OwnSGD(keras.optimizers.SGD):
+        pass
+
+    model = _model(strategy, lambda: OwnSGD(0.125), skip_bad_steps=True)
+    x = np.asarray([1.0, 2.0], "float32").reshape(-1, 1)
+    try:
+        _fit(model, _dataset(x, np.zeros_like(x), batch_size=2))
+    except ValueError as e:
+        message = str(e)
+    else:
+        message = "no error"
+    return {
+        "message": message,
+        "weight": _weight(model),
+        "iterations": int(np.asarray(model.optimizer.iterations)),
+    }
+
+
+def _skipping_scenarios():
+    import tempfile
+
+    import keras
+    import tensorflow as tf
+
+    keras.config.disable_traceback_filtering()
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    results = {}
+    with tempfile.TemporaryDirectory() as directory:
+        _scenario(results, "nan_and_spike", _scenario_nan_and_spike, strategy, directory)
+    _scenario(results, "overflow", _scenario_overflow, strategy)
+    _scenario(results, "adam_as_plain", _scenario_adam_as_plain, strategy)
+    _scenario(results, "embedding", _scenario_embedding, strategy)
+    _scenario(results, "loss_scale", _scenario_loss_scale, strategy)
+    with tempfile.TemporaryDirectory() as directory:
+        _scenario(results, "all_reduces", _scenario_all_reduces, strategy, directory)
+    _scenario(results, "own_step", _scenario_own_step, strategy)
+    _scenario(results, "own_optimizer", _scenario_own_optimizer, strategy)
+    return results
