@@ -258,8 +258,29 @@ def _waiting(optimizer_class, jit_compile):
             return tf.IndexedSlices(g.values * factor, g.indices, g.dense_shape)
         return g * factor
 
+    def several_replicas():
+        context = tf.distribute.get_replica_context()
+        return context is not None and context.num_replicas_in_sync > 1
+
+    def judged(grads):
+        squares = [tf.reduce_sum(tf.square(tf.cast(values(g), "float32"))) for g in grads]
+        finite = tf.math.is_finite(tf.add_n(squares))
+        with tf.control_dependencies([finite]):
+            return [tf.identity(g) for g in grads]
+
     class Waiting(optimizer_class):
+        def _all_reduce_sum_gradients(self, grads_and_vars):
+            reduced = super()._all_reduce_sum_gradients(grads_and_vars)
+            if not several_replicas():
+                return reduced
+            # Under a strategy an exact skip judges the global sums, the
+            # all-reduce's: the update waits for a judgement of those.
+            present = iter(judged([g for g, _ in reduced if g is not None]))
+            return [(None if g is None else next(present), v) for g, v in reduced]
+
         def _backend_apply_gradients(self, grads, trainable_variables):
+            if several_replicas():
+                return super()._backend_apply_gradients(grads, trainable_variables)
             squares = [tf.reduce_sum(tf.square(tf.cast(values(g), "float32"))) for g in grads]
             finite = tf.math.is_finite(tf.add_n(squares))
             if jit_compile:

@@ -211,16 +211,20 @@ def keeping(args, specs, mode):
     variants = ["plain", "control"] + [v for v in variants if v not in ("plain", "control")]
     # Keras's default elsewhere: jitted on JAX, eager on PyTorch.
     jit = args.jit or ("auto" if backend != "tensorflow" else "off" if args.smoke else "both")
+    strategy = _strategy(args, backend)
+    if strategy.num_replicas_in_sync > 1:
+        jit = "off"  # plain Keras's step fails under XLA there
     configs = []
     for name in names:
         spec = specs[name]._replace(batch_size=args.batch_size or specs[name].batch_size)
         for jit_compile in {"off": [False], "on": [True], "both": [False, True]}.get(jit, [jit]):
             weights = initial_weights(spec)
             keys = [(v, i) for i in range(args.instances) for v in variants]
-            built = {
-                k: models.keeping_model(k[0], spec, weights, jit_compile, args.optimizer)
-                for k in keys
-            }
+            with strategy.scope():
+                built = {
+                    k: models.keeping_model(k[0], spec, weights, jit_compile, args.optimizer)
+                    for k in keys
+                }
             if backend == "tensorflow":
                 runners = {k: tf_runner(m, c, spec) for k, (m, c) in built.items()}
             else:
@@ -256,6 +260,7 @@ def keeping(args, specs, mode):
                 summary,
                 jit_compile=jit_compile,
                 instances=args.instances,
+                replicas=strategy.num_replicas_in_sync,
                 steps=steps,
             )
             if backend == "jax":
@@ -317,14 +322,19 @@ def op_counts(name, spec, optimizer):
     }
 
 
+def _strategy(args, backend):
+    """`MirroredStrategy` on 2 logical CPUs with `--mirrored`, else the default."""
+    if not getattr(args, "mirrored", False):
+        return tf.distribute.get_strategy()
+    if backend != "tensorflow":
+        raise SystemExit(f"--mirrored runs on TensorFlow only, not on {backend}.")
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
 def metrics(args, specs, mode, dynamics=False):
     """What gradient metrics add to a `KeepGradModel` step (1M MLP)."""
     backend = keras.backend.backend()
-    strategy = tf.distribute.get_strategy()
-    if getattr(args, "mirrored", False):
-        if backend != "tensorflow":
-            raise SystemExit(f"--mirrored runs on TensorFlow only, not on {backend}.")
-        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = _strategy(args, backend)
     replicas = strategy.num_replicas_in_sync
     if dynamics:
         variants = models.DYNAMICS + (("floor_replicas",) if replicas > 1 else ())
@@ -849,9 +859,10 @@ def make_parser():
         p[name].add_argument(
             "--jit", action="store_true", help="jit_compile=True (default off; JAX: auto)"
         )
-    p["dynamics"].add_argument(
-        "--mirrored", action="store_true", help="MirroredStrategy on 2 logical CPUs"
-    )
+    for name in ("keeping", "dynamics"):
+        p[name].add_argument(
+            "--mirrored", action="store_true", help="MirroredStrategy on 2 logical CPUs"
+        )
     p["tensorboard"].add_argument("--setup", choices=tuple(models.SETUPS), default="watched")
     p["memory"].add_argument("--allocators", nargs="+", choices=tuple(ALLOCATORS))
     p["memory"].add_argument("--child", nargs=2, help=argparse.SUPPRESS)

@@ -2,8 +2,10 @@
 
 Backend-neutral. A step is judged where its gradients are kept: at each
 optimizer's `apply` (`stateless_apply` on JAX), from the kept gradients
-(unscaled, before any optimizer transformation). A bad step's update does
-not run (TensorFlow: a `tf.cond`; PyTorch: a Python `if`, the step's
+(unscaled, before any optimizer transformation; under a `tf.distribute`
+strategy, their sum over the replicas, so that every replica decides
+alike). A bad step's update does not run (TensorFlow: each of its writes
+guarded, or a `tf.cond` around it; PyTorch: a Python `if`, the step's
 bookkeeping runs eagerly there anyway; JAX: a `lax.cond` between the
 update and the old values, which a stateful `apply` selects instead), so
 the weights and the optimizer's variables, its iteration count included,

@@ -45,6 +45,12 @@ def nonfinite(grads):
     return tf.cond(tf.reduce_all(tf.math.is_finite(squares)), lambda: tf.constant(False), entries)
 
 
+def _own_flag(context, bad):
+    """float32 `[num_replicas]`: `bad` at this replica's index, else 0."""
+    count = context.num_replicas_in_sync
+    return tf.one_hot(context.replica_id_in_sync_group, count) * tf.cast(bad, tf.float32)
+
+
 class BadReplicas:
     """Records, per training step, which replicas' kept gradients were bad.
 
@@ -88,7 +94,7 @@ class BadReplicas:
         if bad is None or context is None:
             return
         count = context.num_replicas_in_sync
-        flags = tf.one_hot(context.replica_id_in_sync_group, count) * tf.cast(bad, tf.float32)
+        flags = _own_flag(context, bad)
         if reduced:
             flags = context.all_reduce(tf.distribute.ReduceOp.SUM, flags)
         if self.variable is None:
@@ -96,6 +102,16 @@ class BadReplicas:
         if write_now is not None:
             flags = tf.where(write_now, flags, self.variable.read_value())
         self.variable.assign(flags, read_value=False)
+
+    def all_flags(self, state):
+        """In a replica's step: bool tensor `[num_replicas]`, whether each
+        replica's partial gradients of the step were bad (all-reduced: one
+        float per replica); None on one replica."""
+        bad = getattr(state, "replica_bad", None)
+        context = tf.distribute.get_replica_context()
+        if bad is None or context is None:
+            return None
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, _own_flag(context, bad)) > 0
 
     def _create(self, count):
         with tf.init_scope(), self.strategy.scope():

@@ -131,16 +131,9 @@ class Trainer(base.Trainer):
 
     def _bad_devices(self, args, finite):
         # Under a strategy: each replica's own partial gradients, as noted
-        # before the all-reduce (`replicas.BadReplicas`), one float each.
+        # before the all-reduce (`replicas.BadReplicas`).
         del args, finite
-        context = tf.distribute.get_replica_context()
-        step = _capture.current_step()
-        bad = getattr(getattr(step, "backend_state", None), "replica_bad", None)
-        if context is None or context.num_replicas_in_sync == 1 or bad is None:
-            return None
-        count = context.num_replicas_in_sync
-        flags = tf.one_hot(context.replica_id_in_sync_group, count) * tf.cast(bad, tf.float32)
-        return context.all_reduce(tf.distribute.ReduceOp.SUM, flags) > 0
+        return self._keeper.bad_replicas.all_flags(_capture.current_step().backend_state)
 
     def _checked_jit_compile(self, value):
         if value and self.distribute_strategy.num_replicas_in_sync > 1:
