@@ -93,6 +93,18 @@ def test_skipping_is_judged_against_keeping_plus_a_judgement_the_update_waits_fo
 
 
 @pytest.mark.slow
+def test_keeping_smoke_times_skipping_under_mirrored(tmp_path):
+    variants = ["kept", "kept_wait", "skip"]
+    args = ("keeping", "--smoke", "--mirrored", "--models", "mlp_1m", "--variants", *variants)
+    _, result = run_benchmark(tmp_path, *args)
+    (config,) = result["configs"]
+    assert (config["replicas"], config["jit_compile"]) == (2, False)
+    assert list(config["step_ms"]) == ["plain", "control", *variants]
+    assert config["verdicts"]["skip"]["floor"] == "kept_wait"
+    assert "skip - kept_wait" in config["wall"]["pairs"]
+
+
+@pytest.mark.slow
 def test_processes_pool_their_rounds_and_pool_pools_runs(tmp_path):
     args = ["keeping", "--smoke", "--models", "mlp_1m", "--variants", "kept", "floor"]
     proc, result = run_benchmark(tmp_path, *args, "--processes", "2", out="two.json")

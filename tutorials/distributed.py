@@ -11,8 +11,8 @@
 # `KeepGradModel` keeps the **sum**: `model.gradients`, gradient metrics and
 # callbacks see exactly what one device computes on the same global batch.
 # This tutorial shows it on 2 logical CPUs (the same code runs on GPUs), then
-# with mixed precision, then across two worker processes with
-# `MultiWorkerMirroredStrategy`.
+# with mixed precision, then skipping bad steps, then across two worker
+# processes with `MultiWorkerMirroredStrategy`.
 #
 # Run: `python tutorials/distributed.py` (add `--fast` for a quick run).
 
@@ -191,7 +191,49 @@ if not WORKER:
     assert kept == 15.0 and weight == 1.5
 
 # %% [markdown]
-# ## Part 4: several machines, `MultiWorkerMirroredStrategy`
+# ## Part 4: skipping bad steps on every replica
+#
+# With `skip_bad_steps`, every replica judges the **global** gradient (the
+# sum of the partial ones), so all replicas skip a bad step or apply it
+# alike, as one device would. Below, the second batch holds a NaN in
+# replica 1's share, and the third, `x = [[4], [4]]` at `w = 1.5`, is a
+# spike: its global gradient `1.5 * 32 = 48` is beyond `spike_factor = 2`
+# times the last norm, 15, although neither replica's partial gradient,
+# 24, is. Both are skipped on both replicas. Each skipped step's file
+# holds the whole global batch, both replicas' rows.
+
+# %%
+if not WORKER:
+    import tempfile
+
+    saved = tempfile.mkdtemp()
+    skip = kg.SkipBadSteps(spike_factor=2.0, window=1, save_batches_to=saved)
+    with strategy.scope():
+        inputs = keras.Input((1,))
+        layer = keras.layers.Dense(
+            1, use_bias=False, kernel_initializer=keras.initializers.Constant(3.0)
+        )
+        model = kg.KeepGradModel(inputs, layer(inputs), skip_bad_steps=skip)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    print("x          kept gradient  weight after  skipped  first bad replica")
+    for rows in ([1.0, 2.0], [1.0, np.nan], [4.0, 4.0]):
+        x = np.array(rows, "float32").reshape(-1, 1)
+        data = tf.data.Dataset.from_tensor_slices((x, np.zeros_like(x))).batch(2)
+        logs = model.fit(data, verbose=0, shuffle=False).history
+        kept = float(model.gradients[layer.name]["kernel"].numpy()[0, 0])
+        weight = float(layer.kernel.numpy()[0, 0])
+        print(
+            f"{str(rows):<10} {kept:>14} {weight:>13} {logs['skipped_steps'][0]:>8.0f}"
+            f"  {model.first_bad_replica}"
+        )
+    files = sorted(os.listdir(saved))
+    print("saved:", files)
+    with np.load(os.path.join(saved, files[-1])) as f:
+        print("x in", files[-1], "->", f["x"].ravel().tolist())
+    assert weight == 1.5 and len(files) == 2
+
+# %% [markdown]
+# ## Part 5: several machines, `MultiWorkerMirroredStrategy`
 #
 # Each worker is a process with a `TF_CONFIG` naming the cluster and its own
 # index. Keras 3.15's own `fit` fails under this strategy (its build reduces
