@@ -201,9 +201,10 @@ class KeepGradModel(backend.Trainer, keras.Model):
             skipped step leaves the weights and the optimizer's state
             untouched, keeps its gradients, and is counted in the logs as
             `skipped_steps` (`SkipBadSteps(skip=False)` only flags bad
-            steps: applied, counted as `flagged_steps`). Off, the
-            training step is unchanged.
-            Defaults to None.
+            steps: applied, counted as `flagged_steps`). Under
+            `tf.distribute.MirroredStrategy` every replica judges the
+            global gradients and skips alike. Off, the training step is
+            unchanged. Defaults to None.
         **kwargs: Passed on to `keras.Model`.
 
     Raises:
@@ -211,7 +212,9 @@ class KeepGradModel(backend.Trainer, keras.Model):
             `skip_bad_steps` is none of the above.
         ValueError: `keep_every` is not a positive int; at `fit`, two
             trainable variables share a path (layers of the same `name`),
-            or `skip_bad_steps` is set but gradients are not kept.
+            or `skip_bad_steps` is set but gradients are not kept, or
+            under a `tf.distribute` strategy of several replicas other
+            than `MirroredStrategy`.
 
     Examples:
         >>> import keras, numpy as np
