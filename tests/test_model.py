@@ -110,6 +110,35 @@ def test_train_on_batch_keeps_gradients(mode):
 @pytest.mark.backends(
     "tensorflow", "jax", reason="Keras's PyTorch trainer refuses steps_per_execution > 1"
 )
+class _FailingSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """SGD's learning rate 0.1, or an error inside the optimizer's update."""
+
+    fails = True
+
+    def __call__(self, step):
+        if self.fails:
+            raise ValueError("the schedule failed")
+        return 0.1
+
+
+def test_a_first_step_that_raised_in_the_update_leaves_the_model_trainable(mode):
+    # The slots are made as the first step is traced; that step raises
+    # after, in the optimizer's update. The next `fit` trains as Keras
+    # would: w = 3 - 0.1 * 15. (TensorFlow 2.21's `tf.function` returns
+    # None, tracing nothing, after a first trace that made variables and
+    # raised: the training function is made anew.)
+    schedule = _FailingSchedule()
+    model = one_weight()
+    model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse", **mode)
+    with pytest.raises(ValueError, match="the schedule failed"):
+        model.fit(X, Y, batch_size=2, verbose=0)
+    schedule.fails = False
+    logs = model.train_on_batch(X, Y, return_dict=True)
+    assert logs["loss"] == 22.5
+    np.testing.assert_array_equal(kernel(model), [[15.0]])
+    assert float(np.asarray(model.get_layer("dense_0").kernel)[0, 0]) == 1.5
+
+
 def test_steps_per_execution_callbacks_see_the_last_step():
     model = one_weight()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=3)

@@ -106,7 +106,31 @@ class Trainer(base.Trainer):
 
     def _make_keeping_train_function(self, force):
         distribute.install_reduction_reuse()
-        return super()._make_keeping_train_function(force)
+        super()._make_keeping_train_function(force)
+        function = self.train_function
+        if self.run_eagerly:
+            return function
+
+        # TensorFlow 2.21: a `tf.function` whose first trace made variables
+        # (the slots are made as the step is traced) and then raised returns
+        # None from every later call, tracing nothing. Until a call
+        # succeeds, one that raises drops the function: the next `fit`
+        # makes a new one.
+        def first_calls(*args, **kwargs):
+            try:
+                result = function(*args, **kwargs)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                raise  # the data ended
+            except BaseException:
+                if self.train_function is first_calls:
+                    self.train_function = None
+                raise
+            if self.train_function is first_calls:
+                self.train_function = function
+            return result
+
+        self.train_function = first_calls
+        return first_calls
 
     def _restores_state_on_error(self):
         # A traced step raises as it is traced, before anything runs; the
