@@ -214,7 +214,8 @@ class KeepGradModel(backend.Trainer, keras.Model):
             trainable variables share a path (layers of the same `name`),
             or `skip_bad_steps` is set but gradients are not kept, or
             under a `tf.distribute` strategy of several replicas other
-            than `MirroredStrategy`.
+            than `MirroredStrategy` (under it, as the step is traced,
+            with an optimizer that is not one of Keras's).
 
     Examples:
         >>> import keras, numpy as np

@@ -10,7 +10,8 @@ The one-weight model of the suite: a bias-free Dense(1) with w = 3, y = 0,
 mse. On 2 replicas a batch x = [p, q] splits in order: replica 0 keeps the
 partial gradient w p^2 (its loss is scaled by 1/2), replica 1 w q^2, and
 the global gradient is w (p^2 + q^2). Learning rates are powers of 2, so
-every weight below is exact in float32.
+every weight below is exact in float32. Every variable read below is read
+on each replica's copy: a value where all copies hold the same bits.
 """
 
 import numpy as np
@@ -22,7 +23,6 @@ from test_distribute import _ok
 from test_distribute import _python
 from test_distribute import _result
 from test_distribute import _scenario
-from test_distribute import _weight
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,6 @@ def test_a_sum_of_finite_partials_that_overflows_is_skipped(skipping):
     r = _ok(skipping, "overflow")
     # x = [1e19, 1e19]: each replica's partial 3 * 1e38 is finite, their
     # sum 6e38 is beyond float32: skipped, though no replica went bad.
-    assert r["partials_finite"] is True
     assert r["weights"] == [3.0]
     assert r["skipped_steps"] == [1.0]
     assert r["gradients"] == [["inf"]]
@@ -88,10 +87,11 @@ def test_the_saved_batch_is_the_global_batch_and_replays(skipping):
 
 def test_adam_skips_bit_identical_to_plain_keras_on_the_good_batches(skipping):
     r = _ok(skipping, "adam_as_plain")
-    assert r["skipped_steps"] == [1.0]
+    assert r["skipped_steps"] == {"adam": [1.0], "adamw_ema": [1.0]}
     # Weights, moments and iteration count: plain Keras's, to the bit.
-    assert r["same_bits"] is True
-    assert r["iterations"] == 2
+    # Also AdamW with weight decay and EMA, which write beyond the update.
+    assert r["same_bits"] == {"adam": True, "adamw_ema": True}
+    assert r["iterations"] == {"adam": 2, "adamw_ema": 2}
 
 
 def test_a_sparse_gradient_is_skipped_row_for_row(skipping):
@@ -122,11 +122,11 @@ def test_skipping_adds_no_all_reduce_of_the_gradients(skipping):
     r = _ok(skipping, "all_reduces")
     # Each replica's trace all-reduces the one gradient once, skipping or
     # not: the optimizer's update reuses the sum the judgement took.
-    assert len(r["plain"]) >= 2 and r["plain"] == r["skipping"]
-    assert r["skipping_gradients"] == [1] * len(r["skipping_gradients"])
+    # (Sizes of the tensors of each all-reduce: [1], the one weight's.)
+    assert len(r["plain"]) >= 2 and r["plain"] == r["skipping"] == [[1]] * len(r["plain"])
     # Saving the batch adds one all-reduce of the replicas' flags (2
-    # floats) per replica's trace.
-    assert r["saving_extra"] == [[2]] * len(r["skipping_gradients"])
+    # floats) per replica's trace, and nothing else.
+    assert sorted(r["saving"]) == sorted(r["skipping"] + [[2]] * len(r["skipping"]))
 
 
 def test_an_own_step_is_guarded(skipping):
@@ -143,6 +143,17 @@ def test_an_optimizer_of_its_own_is_refused_before_any_update(skipping):
     assert r["iterations"] == 0
 
 
+def test_nothing_stays_guarded_after_a_fit_or_a_step_that_raised(skipping):
+    r = _ok(skipping, "cleanup")
+    # A learning rate schedule that raises inside the optimizer's update,
+    # while every replica's writes are guarded.
+    assert "schedule raised" in r["message"]
+    assert r["after_raise"] == {"guards": 0, "patched": []}
+    # The same model trains on with a good schedule, and leaves nothing.
+    assert r["weight"] == 1.125
+    assert r["after_fit"] == {"guards": 0, "patched": []}
+
+
 # What the subprocess runs ----------------------------------------------------
 
 
@@ -151,6 +162,25 @@ def _json(array):
     if np.all(np.isfinite(array)):
         return array.tolist()
     return [str(v) for v in array.ravel()]
+
+
+def _value(strategy, variable):
+    """`variable`'s value where every replica's copy holds the same bits,
+    else what each copy holds."""
+    value = getattr(variable, "value", variable)
+    copies = [np.asarray(c) for c in strategy.experimental_local_results(value)]
+    if any(c.tobytes() != copies[0].tobytes() for c in copies):
+        return {"copies differ": [c.tolist() for c in copies]}
+    return copies[0].tolist()
+
+
+def _weight(strategy, model):
+    value = _value(strategy, model.get_layer("dense_0").kernel)
+    return value[0][0] if isinstance(value, list) else value
+
+
+def _iterations(strategy, model):
+    return _value(strategy, model.optimizer.iterations)
 
 
 def _model(strategy, optimizer, cls=None, **options):
@@ -169,15 +199,15 @@ def _model(strategy, optimizer, cls=None, **options):
     return model
 
 
-def _steps(model, batches):
+def _steps(strategy, model, batches):
     """Fits one batch at a time; records what each step left."""
     record = {k: [] for k in ("weights", "iterations", "skipped_steps", "gradients")}
     record["first_bad_replica"] = []
     for rows in batches:
         rows = np.asarray(rows, "float32").reshape(-1, 1)
         history = _fit(model, _dataset(rows, np.zeros_like(rows), batch_size=len(rows)))
-        record["weights"].append(_weight(model))
-        record["iterations"].append(int(np.asarray(model.optimizer.iterations)))
+        record["weights"].append(_weight(strategy, model))
+        record["iterations"].append(_iterations(strategy, model))
         record["skipped_steps"].append(float(history.history["skipped_steps"][0]))
         record["gradients"].append(_json(model.gradients["dense_0"]["kernel"]))
         record["first_bad_replica"].append(model.first_bad_replica)
@@ -200,8 +230,8 @@ def _scenario_nan_and_spike(strategy, directory):
 
     class Record(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            result["weights"].append(_weight(model))
-            result["iterations"].append(int(np.asarray(model.optimizer.iterations)))
+            result["weights"].append(_weight(strategy, model))
+            result["iterations"].append(_iterations(strategy, model))
             result["gradients"].append(_json(model.gradients["dense_0"]["kernel"]))
             result["first_bad_replica"].append(model.first_bad_replica)
             result.setdefault("skipped_steps", []).append(float(logs["skipped_steps"]))
@@ -223,10 +253,7 @@ def _scenario_overflow(strategy):
     import keras
 
     model = _model(strategy, lambda: keras.optimizers.SGD(0.125), skip_bad_steps=True)
-    record = _steps(model, [[1e19, 1e19]])
-    partial = np.float32(3.0) * np.float32(1e19) * np.float32(1e19)
-    record["partials_finite"] = bool(np.isfinite(partial))
-    return record
+    return _steps(strategy, model, [[1e19, 1e19]])
 
 
 def _saved(array):
@@ -238,22 +265,32 @@ def _saved(array):
 def _scenario_adam_as_plain(strategy):
     import keras
 
-    good = [[1.0, 2.0], [2.0, 1.0]]
-    model = _model(strategy, lambda: keras.optimizers.Adam(0.125), skip_bad_steps=True)
-    plain = _model(strategy, lambda: keras.optimizers.Adam(0.125), cls=keras.Model)
-    x = np.asarray([*good[0], 1.0, np.nan, *good[1]], "float32").reshape(-1, 1)
-    history = _fit(model, _dataset(x, np.zeros_like(x), batch_size=2))
-    x = np.asarray([*good[0], *good[1]], "float32").reshape(-1, 1)
-    _fit(plain, _dataset(x, np.zeros_like(x), batch_size=2))
-
-    def bits(m):
-        return [np.asarray(v).tobytes() for v in [*m.weights, *m.optimizer.variables]]
-
-    return {
-        "skipped_steps": [float(v) for v in history.history["skipped_steps"]],
-        "same_bits": bits(model) == bits(plain),
-        "iterations": int(np.asarray(model.optimizer.iterations)),
+    optimizers = {
+        "adam": lambda: keras.optimizers.Adam(0.125),
+        "adamw_ema": lambda: keras.optimizers.AdamW(0.125, weight_decay=0.5, use_ema=True),
     }
+    good = [1.0, 2.0, 2.0, 1.0]
+    result = {"skipped_steps": {}, "same_bits": {}, "iterations": {}}
+    for name, optimizer in optimizers.items():
+        model = _model(strategy, optimizer, skip_bad_steps=True)
+        plain = _model(strategy, optimizer, cls=keras.Model)
+        x = np.asarray([*good[:2], 1.0, np.nan, *good[2:]], "float32").reshape(-1, 1)
+        history = _fit(model, _dataset(x, np.zeros_like(x), batch_size=2))
+        x = np.asarray(good, "float32").reshape(-1, 1)
+        _fit(plain, _dataset(x, np.zeros_like(x), batch_size=2))
+
+        def bits(m):
+            variables = [*m.weights, *m.optimizer.variables]
+            return [_value(strategy, v) for v in variables], [
+                c.tobytes()
+                for v in variables
+                for c in map(np.asarray, strategy.experimental_local_results(v.value))
+            ]
+
+        result["skipped_steps"][name] = [float(v) for v in history.history["skipped_steps"]]
+        result["same_bits"][name] = bits(model) == bits(plain)
+        result["iterations"][name] = _iterations(strategy, model)
+    return result
 
 
 def _scenario_embedding(strategy):
@@ -271,8 +308,8 @@ def _scenario_embedding(strategy):
     ids = np.array([[0], [1]], "int32")
     for name, y in (("after_nan", [[0.0], [np.nan]]), ("after_good", [[0.0], [0.0]])):
         history = _fit(model, _dataset(ids, y, batch_size=2))
-        result[name] = np.asarray(table.embeddings).tolist()
-        result["iterations"].append(int(np.asarray(model.optimizer.iterations)))
+        result[name] = _value(strategy, table.embeddings)
+        result["iterations"].append(_iterations(strategy, model))
         result["skipped_steps"].append(float(history.history["skipped_steps"][0]))
     return result
 
@@ -292,9 +329,9 @@ def _scenario_loss_scale(strategy):
 
     class Record(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            result["weights"].append(_weight(model))
-            result["scale"].append(float(np.asarray(model.optimizer.dynamic_scale)))
-            result["counter"].append(int(np.asarray(model.optimizer.step_counter)))
+            result["weights"].append(_weight(strategy, model))
+            result["scale"].append(_value(strategy, model.optimizer.dynamic_scale))
+            result["counter"].append(_value(strategy, model.optimizer.step_counter))
             result["skipped_steps"].append(float(logs["skipped_steps"]))
 
     _fit(model, _dataset(x, np.zeros_like(x), batch_size=2), callbacks=[Record()])
@@ -350,7 +387,7 @@ def _scenario_own_step(strategy):
             return {"loss": loss}
 
     model = _model(strategy, lambda: keras.optimizers.SGD(0.125), cls=OwnStep, skip_bad_steps=True)
-    record = _steps(model, [[1.0, 2.0], [1.0, np.nan]])
+    record = _steps(strategy, model, [[1.0, 2.0], [1.0, np.nan]])
     return {"weights": record["weights"], "skipped_steps": record["skipped_steps"]}
 
 
@@ -370,9 +407,48 @@ def _scenario_own_optimizer(strategy):
         message = "no error"
     return {
         "message": message,
-        "weight": _weight(model),
-        "iterations": int(np.asarray(model.optimizer.iterations)),
+        "weight": _weight(strategy, model),
+        "iterations": _iterations(strategy, model),
     }
+
+
+def _scenario_cleanup(strategy):
+    import keras
+
+    from keras_keepgrad.backend.tensorflow import skipping
+
+    class Schedule(keras.optimizers.schedules.LearningRateSchedule):
+        fails = True
+
+        def __call__(self, step):
+            if self.fails:
+                raise ValueError("schedule raised")
+            return 0.125
+
+    schedule = Schedule()
+    model = _model(strategy, lambda: keras.optimizers.SGD(schedule), skip_bad_steps=True)
+
+    def left():
+        variables = [*model.weights, *model.optimizer.variables]
+        copies = [c for v in variables for c in strategy.experimental_local_results(v.value)]
+        patched = sorted(
+            {n for c in copies for n in skipping._GUARDED_METHODS if n in vars(c)}
+            | {n for n in vars(model.optimizer) if n == "_distributed_tf_update_step"}
+        )
+        return {"guards": len(skipping._replica_guards), "patched": patched}
+
+    x = np.asarray([1.0, 2.0], "float32").reshape(-1, 1)
+    try:
+        _fit(model, _dataset(x, np.zeros_like(x), batch_size=2))
+    except ValueError as e:
+        message = str(e)
+    else:
+        message = "no error"
+    result = {"message": message, "after_raise": left()}
+    schedule.fails = False
+    _fit(model, _dataset(x, np.zeros_like(x), batch_size=2))
+    result.update(weight=_weight(strategy, model), after_fit=left())
+    return result
 
 
 def _skipping_scenarios():
@@ -394,4 +470,5 @@ def _skipping_scenarios():
         _scenario(results, "all_reduces", _scenario_all_reduces, strategy, directory)
     _scenario(results, "own_step", _scenario_own_step, strategy)
     _scenario(results, "own_optimizer", _scenario_own_optimizer, strategy)
+    _scenario(results, "cleanup", _scenario_cleanup, strategy)
     return results

@@ -24,8 +24,18 @@ __all__ = [
     "none_for_none_spec",
     "reduces_in_step",
     "replica_spec",
+    "shared_context",
     "with_batch_axis",
 ]
+
+
+def shared_context():
+    """The replica context of a step whose batch several replicas share
+    (inside `strategy.run`), else None."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return None
+    return context
 
 
 def all_reduce_sum(grads):
@@ -34,9 +44,9 @@ def all_reduce_sum(grads):
     Must run in a replica context (inside `strategy.run`, e.g. in
     `train_step`). `tf.IndexedSlices` are gathered, rows concatenated.
     """
-    context = tf.distribute.get_replica_context()
+    context = shared_context()
     grads = list(grads)
-    if context is None or context.num_replicas_in_sync == 1 or not grads:
+    if context is None or not grads:
         return grads
     return list(context.all_reduce(tf.distribute.ReduceOp.SUM, grads))
 
@@ -55,12 +65,7 @@ def global_gradients(step, kept, passed):
     (`reduces_in_step`), they are `kept`.
     """
     state = step.backend_state
-    context = tf.distribute.get_replica_context()
-    if (
-        context is None
-        or context.num_replicas_in_sync == 1
-        or reduces_in_step(step.keeper.strategy)
-    ):
+    if shared_context() is None or reduces_in_step(step.keeper.strategy):
         return kept
     presummed = vars(state).setdefault("presummed", {})
     sources = [p if id(p) in state.passed else k for k, p in zip(kept, passed)]
@@ -172,12 +177,8 @@ def agree_on_skip(optimizer, grads):
     device. Finite steps pass through untouched. The kept gradients are
     stored before this, so they still show the real non-finite values.
     """
-    context = tf.distribute.get_replica_context()
-    if (
-        not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        or context is None
-        or context.num_replicas_in_sync == 1
-    ):
+    context = shared_context()
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or context is None:
         return grads
     present = [g for g in grads if g is not None]
     if not present:

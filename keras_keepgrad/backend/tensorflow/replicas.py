@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_keepgrad import _squares
+from keras_keepgrad.backend.tensorflow import distribute
 from keras_keepgrad.backend.tensorflow.slots import densify
 from keras_keepgrad.backend.tensorflow.slots import on_read
 
@@ -71,8 +72,7 @@ class BadReplicas:
     def note(self, state, grads):
         """In a replica's step, before any all-reduce: ORs whether `grads`
         (this replica's kept partial gradients) are bad into `state`."""
-        context = tf.distribute.get_replica_context()
-        if context is None or context.num_replicas_in_sync == 1:
+        if distribute.shared_context() is None:
             return
         bad = nonfinite(grads)
         previous = getattr(state, "replica_bad", None)

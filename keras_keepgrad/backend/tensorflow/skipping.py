@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from keras_keepgrad import _capture
 from keras_keepgrad import _compat
+from keras_keepgrad.backend.tensorflow import distribute
 
 __all__ = ["apply_if", "call_if", "deferring_host_calls", "host_cond", "replay_gradients"]
 
@@ -35,8 +36,8 @@ def apply_if(run, apply, optimizer, variables, grads):
     """
     # Outside the branch: a `tf.cond` cannot create the optimizer's variables.
     _capture.build_as_apply(optimizer, variables)
-    context = tf.distribute.get_replica_context()
-    if context is not None and context.num_replicas_in_sync > 1:
+    context = distribute.shared_context()
+    if context is not None:
         written = _replica_components(optimizer, variables)
         with _guarding_replica_writes(run, written, context, optimizer):
             return apply()
@@ -67,7 +68,7 @@ def _guardable(optimizer, variables, grads):
     """
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return None
-    if not type(optimizer).__module__.startswith("keras."):
+    if not _kerass_own(optimizer):
         return None
     if any(isinstance(g, tf.IndexedSlices) for g in grads):
         return None
@@ -76,6 +77,12 @@ def _guardable(optimizer, variables, grads):
         if not isinstance(value, tf.Variable) or isinstance(value, tf.distribute.DistributedValues):
             return None
     return written
+
+
+def _kerass_own(optimizer):
+    """Whether `optimizer` is one of Keras's, whose update writes only its
+    variables and those it updates, through their write methods."""
+    return type(optimizer).__module__.startswith("keras.")
 
 
 def _written(optimizer, variables):
@@ -98,8 +105,9 @@ def _replica_components(optimizer, variables):
     A replica's step cannot hold its update in a `tf.cond`: the update's
     `merge_call` is not allowed in one. The writes are guarded instead,
     each copy with its own replica's judgement (`_guarding_replica_writes`).
-    That needs every write to go through the copies' `assign*` or
-    `scatter_*` methods, as Keras's own optimizers' do.
+    That needs every write to go through the copies' `assign`,
+    `assign_add`, `assign_sub`, `scatter_update`, `scatter_add` or
+    `scatter_sub` (`_GUARDED_METHODS`), as Keras's own optimizers' do.
 
     Raises:
         ValueError: `optimizer` is not one of Keras's, or something it
@@ -107,7 +115,7 @@ def _replica_components(optimizer, variables):
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     for each in (optimizer, inner):
-        if not type(each).__module__.startswith("keras."):
+        if not _kerass_own(each):
             raise ValueError(
                 "Under a `tf.distribute` strategy with several replicas, "
                 "`skip_bad_steps` skips the updates of Keras's own optimizers "
@@ -182,7 +190,7 @@ def _guarding_writes(run, variables, select):
             del variable.assign, variable.assign_add, variable.assign_sub
 
 
-# Per strategy being traced: the `_ReplicaGuard` of the step's update.
+# Per strategy and optimizer: the `_ReplicaGuard` of the update being traced.
 _replica_guards = {}
 _replica_guards_lock = threading.Lock()
 
@@ -202,7 +210,7 @@ def _guarding_replica_writes(run, components, context, optimizer):
     leave, or the first to raise, restores them.
     """
     replica = tf.get_static_value(context.replica_id_in_sync_group)
-    key = id(context.strategy)
+    key = (id(context.strategy), id(optimizer))
     with _replica_guards_lock:
         guard = _replica_guards.setdefault(key, _ReplicaGuard(components, optimizer))
         guard.runs[int(replica)] = run
@@ -241,8 +249,9 @@ class _ReplicaGuard:
     Each write to a replica's copy is in a `tf.cond` of its own
     (`_guard_copy`), but those of the optimizer's update of the variables
     by their gradients, the bulk, which one `tf.cond` holds where the
-    replicas' updates meet: a `tf.cond` per write cost a 1M-parameter
-    MLP's step under `MirroredStrategy` about 6% (`benchmarks/`).
+    replicas' updates meet. With a `tf.cond` per write, skipping cost a
+    1M-parameter MLP's step under `MirroredStrategy` +9.1% beyond its
+    floor, against +2.6% so (`benchmarks/`, one run of 2 processes).
 
     Args:
         components: `[(copy, replica index)]` to guard.
@@ -261,6 +270,7 @@ class _ReplicaGuard:
         self.whole = False  # inside the `tf.cond` around the whole update
 
     def run(self, replica):
+        """Replica `replica`'s judgement: whether its update runs."""
         if replica not in self.runs:
             raise RuntimeError(
                 f"Replica {replica}'s copy of a variable was written before "
@@ -269,12 +279,14 @@ class _ReplicaGuard:
         return self.runs[replica]
 
     def install(self):
+        """Guards every copy's writes and holds the update in one branch."""
         for variable, index in self.components:
             _guard_copy(variable, functools.partial(self.run, index), self)
         if self.update is not None:
             self.updater._distributed_tf_update_step = self._update_step
 
     def remove(self):
+        """Restores every copy's write methods and the optimizer's update."""
         for variable, _ in self.components:
             for name in _GUARDED_METHODS:
                 variable.__dict__.pop(name, None)
@@ -311,6 +323,8 @@ def _guard_copy(variable, run_of, guard):
                 return tf.constant(True)
 
             done = tf.cond(run_of(), written, lambda: tf.constant(False))
+            # What the method returns (the op, or the new value): the
+            # strategy groups what each copy's write returns.
             if not read_value:
                 return done.op
             with tf.control_dependencies([done]):
@@ -355,8 +369,8 @@ def call_if(flag, fn, tensors, rows=()):
     """
     names = list(tensors)
     values = [tensors[n] for n in names]
-    context = tf.distribute.get_replica_context()
-    if context is not None and context.num_replicas_in_sync > 1:
+    context = distribute.shared_context()
+    if context is not None:
 
         def merged(strategy, flag, *values):
             local = strategy.experimental_local_results
