@@ -68,7 +68,7 @@ def _guardable(optimizer, variables, grads):
     """
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return None
-    if not _kerass_own(optimizer):
+    if not _of_keras(optimizer):
         return None
     if any(isinstance(g, tf.IndexedSlices) for g in grads):
         return None
@@ -79,7 +79,7 @@ def _guardable(optimizer, variables, grads):
     return written
 
 
-def _kerass_own(optimizer):
+def _of_keras(optimizer):
     """Whether `optimizer` is one of Keras's, whose update writes only its
     variables and those it updates, through their write methods."""
     return type(optimizer).__module__.startswith("keras.")
@@ -115,7 +115,7 @@ def _replica_components(optimizer, variables):
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     for each in (optimizer, inner):
-        if not _kerass_own(each):
+        if not _of_keras(each):
             raise ValueError(
                 "Under a `tf.distribute` strategy with several replicas, "
                 "`skip_bad_steps` skips the updates of Keras's own optimizers "
