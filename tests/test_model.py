@@ -107,9 +107,6 @@ def test_train_on_batch_keeps_gradients(mode):
     np.testing.assert_array_equal(kernel(model), [[7.5]])
 
 
-@pytest.mark.backends(
-    "tensorflow", "jax", reason="Keras's PyTorch trainer refuses steps_per_execution > 1"
-)
 class _FailingSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """SGD's learning rate 0.1, or an error inside the optimizer's update."""
 
@@ -139,6 +136,9 @@ def test_a_first_step_that_raised_in_the_update_leaves_the_model_trainable(mode)
     assert float(np.asarray(model.get_layer("dense_0").kernel)[0, 0]) == 1.5
 
 
+@pytest.mark.backends(
+    "tensorflow", "jax", reason="Keras's PyTorch trainer refuses steps_per_execution > 1"
+)
 def test_steps_per_execution_callbacks_see_the_last_step():
     model = one_weight()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=3)
