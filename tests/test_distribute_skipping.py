@@ -391,6 +391,16 @@ def _scenario_own_step(strategy):
     return {"weights": record["weights"], "skipped_steps": record["skipped_steps"]}
 
 
+def _fit_error(model):
+    """The message of the ValueError that fitting x = [1, 2] raises."""
+    x = np.asarray([1.0, 2.0], "float32").reshape(-1, 1)
+    try:
+        _fit(model, _dataset(x, np.zeros_like(x), batch_size=2))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def _scenario_own_optimizer(strategy):
     import keras
 
@@ -398,15 +408,8 @@ def _scenario_own_optimizer(strategy):
         pass
 
     model = _model(strategy, lambda: OwnSGD(0.125), skip_bad_steps=True)
-    x = np.asarray([1.0, 2.0], "float32").reshape(-1, 1)
-    try:
-        _fit(model, _dataset(x, np.zeros_like(x), batch_size=2))
-    except ValueError as e:
-        message = str(e)
-    else:
-        message = "no error"
     return {
-        "message": message,
+        "message": _fit_error(model),
         "weight": _weight(strategy, model),
         "iterations": _iterations(strategy, model),
     }
@@ -437,15 +440,9 @@ def _scenario_cleanup(strategy):
         )
         return {"guards": len(skipping._replica_guards), "patched": patched}
 
-    x = np.asarray([1.0, 2.0], "float32").reshape(-1, 1)
-    try:
-        _fit(model, _dataset(x, np.zeros_like(x), batch_size=2))
-    except ValueError as e:
-        message = str(e)
-    else:
-        message = "no error"
-    result = {"message": message, "after_raise": left()}
+    result = {"message": _fit_error(model), "after_raise": left()}
     schedule.fails = False
+    x = np.asarray([1.0, 2.0], "float32").reshape(-1, 1)
     _fit(model, _dataset(x, np.zeros_like(x), batch_size=2))
     result.update(weight=_weight(strategy, model), after_fit=left())
     return result
