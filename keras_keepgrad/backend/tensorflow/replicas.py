@@ -108,7 +108,7 @@ class BadReplicas:
         replica's partial gradients of the step were bad (all-reduced: one
         float per replica); None on one replica."""
         bad = getattr(state, "replica_bad", None)
-        context = tf.distribute.get_replica_context()
+        context = distribute.shared_context()
         if bad is None or context is None:
             return None
         return context.all_reduce(tf.distribute.ReduceOp.SUM, _own_flag(context, bad)) > 0
