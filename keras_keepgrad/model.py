@@ -202,8 +202,9 @@ class KeepGradModel(backend.Trainer, keras.Model):
             untouched, keeps its gradients, and is counted in the logs as
             `skipped_steps` (`SkipBadSteps(skip=False)` only flags bad
             steps: applied, counted as `flagged_steps`). Under
-            `tf.distribute.MirroredStrategy` every replica judges the
-            global gradients and skips alike. Off, the training step is
+            `tf.distribute.MirroredStrategy` and
+            `MultiWorkerMirroredStrategy` every replica judges the global
+            gradients and skips alike. Off, the training step is
             unchanged. Defaults to None.
         **kwargs: Passed on to `keras.Model`.
 
@@ -214,8 +215,9 @@ class KeepGradModel(backend.Trainer, keras.Model):
             trainable variables share a path (layers of the same `name`),
             or `skip_bad_steps` is set but gradients are not kept, or
             under a `tf.distribute` strategy of several replicas other
-            than `MirroredStrategy` (under it, as the step is traced,
-            with an optimizer that is not one of Keras's).
+            than `MirroredStrategy` and `MultiWorkerMirroredStrategy`
+            (under them, as the step is traced, with an optimizer that
+            is not one of Keras's).
 
     Examples:
         >>> import keras, numpy as np

@@ -96,13 +96,18 @@ def mirrored_metrics():
 @pytest.fixture(scope="module")
 def workers():
     """Two `MultiWorkerMirroredStrategy` workers on 127.0.0.1, one CPU each."""
+    return _workers("_worker_scenario")
+
+
+def _workers(entry, module="test_distribute"):
+    """`[worker 0's result, worker 1's]` of `module.entry()` run by two
+    `MultiWorkerMirroredStrategy` workers on 127.0.0.1, one CPU each."""
     hosts = [f"127.0.0.1:{port}" for port in free_ports(2)]
     processes = []
     for index in range(2):
         tf_config = {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": index}}
-        processes.append(
-            _python("_worker_scenario", devices=1, env={"TF_CONFIG": json.dumps(tf_config)})
-        )
+        env = {"TF_CONFIG": json.dumps(tf_config)}
+        processes.append(_python(entry, devices=1, env=env, module=module))
     try:
         return [_result(p) for p in processes]
     finally:

@@ -16,20 +16,40 @@ on each replica's copy: a value where all copies hold the same bits.
 
 import numpy as np
 import pytest
+import test_distribute
 from test_distribute import _MARK  # noqa: F401  (the subprocess prints with it)
-from test_distribute import _dataset
 from test_distribute import _fit
 from test_distribute import _ok
 from test_distribute import _python
 from test_distribute import _result
 from test_distribute import _scenario
+from test_distribute import _workers
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def skipping():
+def mirrored():
+    """The scenarios under `MirroredStrategy` on 2 logical CPUs."""
     return _result(_python("_skipping_scenarios", devices=2, module="test_distribute_skipping"))
+
+
+@pytest.fixture(scope="module")
+def workers():
+    """The scenarios under `MultiWorkerMirroredStrategy`: two worker
+    processes of one CPU each, `[worker 0's results, worker 1's]`."""
+    return _workers("_worker_skipping_scenarios", module="test_distribute_skipping")
+
+
+@pytest.fixture(params=["mirrored", "worker 0", "worker 1"])
+def skipping(request):
+    """The results of one strategy's replicas: under `MirroredStrategy`
+    both in one process, under `MultiWorkerMirroredStrategy` one per
+    worker. Each worker reads its own copies, which must agree with the
+    other's."""
+    if request.param == "mirrored":
+        return request.getfixturevalue("mirrored")
+    return request.getfixturevalue("workers")[int(request.param[-1])]
 
 
 def test_replicas_skip_a_nan_and_a_spike_of_the_global_gradient(skipping):
@@ -59,8 +79,14 @@ def test_a_sum_of_finite_partials_that_overflows_is_skipped(skipping):
     assert r["first_bad_replica"] == [None]
 
 
-def test_the_saved_batch_is_the_global_batch_and_replays(skipping):
-    r = _ok(skipping, "nan_and_spike")
+@pytest.mark.parametrize("results", ["mirrored", "worker 0"])
+def test_the_saved_batch_is_the_global_batch_and_replays(results, request):
+    # Under `MultiWorkerMirroredStrategy` the chief (worker 0) saves
+    # every worker's rows.
+    if results == "mirrored":
+        r = _ok(request.getfixturevalue("mirrored"), "nan_and_spike")
+    else:
+        r = _ok(request.getfixturevalue("workers")[0], "nan_and_spike")
     assert r["files"] == ["bad_step_00000002.npz", "bad_step_00000004.npz"]
     nan, spike = r["saved"]
     # Both replicas' rows, in the order the strategy split them; the
@@ -118,8 +144,15 @@ def test_under_loss_scaling_the_optimizer_halves_its_scale_and_a_spike_is_skippe
     assert r["skipped_steps"] == [0.0, 1.0, 2.0]
 
 
-def test_skipping_adds_no_all_reduce_of_the_gradients(skipping):
-    r = _ok(skipping, "all_reduces")
+def test_only_the_chief_worker_saves(workers):
+    # Worker 1 joined the gathering of the rows, and wrote nothing.
+    r = _ok(workers[1], "nan_and_spike")
+    assert r["files"] == []
+    assert r["skipped_steps"] == [0.0, 1.0, 1.0, 2.0]
+
+
+def test_skipping_adds_no_all_reduce_of_the_gradients(mirrored):
+    r = _ok(mirrored, "all_reduces")
     # Each replica's trace all-reduces the one gradient once, skipping or
     # not: the optimizer's update reuses the sum the judgement took.
     # (Sizes of the tensors of each all-reduce: [1], the one weight's.)
@@ -155,6 +188,17 @@ def test_nothing_stays_guarded_after_a_fit_or_a_step_that_raised(skipping):
 
 
 # What the subprocess runs ----------------------------------------------------
+
+
+def _dataset(x, y, batch_size):
+    """Batches of `(x, y)` that a `MultiWorkerMirroredStrategy` splits
+    among its workers row by row, in order, as `MirroredStrategy` splits
+    them among its replicas (`AutoShardPolicy.DATA`)."""
+    import tensorflow as tf
+
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return test_distribute._dataset(x, y, batch_size).with_options(options)
 
 
 def _json(array):
@@ -244,8 +288,9 @@ def _scenario_nan_and_spike(strategy, directory):
     for name in result["files"]:
         with np.load(os.path.join(directory, name)) as f:
             result["saved"].append({k: _saved(f[k]) for k in f.files})
-    replayed = kg.replay_batch(model, os.path.join(directory, result["files"][-1]))
-    result["replayed_spike"] = _json(replayed["dense_0/kernel"])
+    if result["files"]:
+        replayed = kg.replay_batch(model, os.path.join(directory, result["files"][-1]))
+        result["replayed_spike"] = _json(replayed["dense_0/kernel"])
     return result
 
 
@@ -262,7 +307,8 @@ def _saved(array):
     return _json(array)
 
 
-def _scenario_adam_as_plain(strategy):
+def _scenario_adam_as_plain(strategy, plain_cls=None):
+    """`plain_cls`: the model that does not skip, by default `keras.Model`."""
     import keras
 
     optimizers = {
@@ -273,7 +319,7 @@ def _scenario_adam_as_plain(strategy):
     result = {"skipped_steps": {}, "same_bits": {}, "iterations": {}}
     for name, optimizer in optimizers.items():
         model = _model(strategy, optimizer, skip_bad_steps=True)
-        plain = _model(strategy, optimizer, cls=keras.Model)
+        plain = _model(strategy, optimizer, cls=plain_cls or keras.Model)
         x = np.asarray([*good[:2], 1.0, np.nan, *good[2:]], "float32").reshape(-1, 1)
         history = _fit(model, _dataset(x, np.zeros_like(x), batch_size=2))
         x = np.asarray(good, "float32").reshape(-1, 1)
@@ -465,6 +511,35 @@ def _skipping_scenarios():
     _scenario(results, "loss_scale", _scenario_loss_scale, strategy)
     with tempfile.TemporaryDirectory() as directory:
         _scenario(results, "all_reduces", _scenario_all_reduces, strategy, directory)
+    _scenario(results, "own_step", _scenario_own_step, strategy)
+    _scenario(results, "own_optimizer", _scenario_own_optimizer, strategy)
+    _scenario(results, "cleanup", _scenario_cleanup, strategy)
+    return results
+
+
+def _worker_skipping_scenarios():
+    import functools
+    import tempfile
+
+    import keras
+    import tensorflow as tf
+
+    import keras_keepgrad as kg
+
+    keras.config.disable_traceback_filtering()
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    results = {}
+    # Each worker its own directory: the chief's alone receives files.
+    with tempfile.TemporaryDirectory() as directory:
+        _scenario(results, "nan_and_spike", _scenario_nan_and_spike, strategy, directory)
+    _scenario(results, "overflow", _scenario_overflow, strategy)
+    # Keras 3.15's own `fit` fails under this strategy (see
+    # `test_distribute.py`): the reference is a `KeepGradModel` that does
+    # not skip.
+    plain = functools.partial(_scenario_adam_as_plain, plain_cls=kg.KeepGradModel)
+    _scenario(results, "adam_as_plain", plain, strategy)
+    _scenario(results, "embedding", _scenario_embedding, strategy)
+    _scenario(results, "loss_scale", _scenario_loss_scale, strategy)
     _scenario(results, "own_step", _scenario_own_step, strategy)
     _scenario(results, "own_optimizer", _scenario_own_optimizer, strategy)
     _scenario(results, "cleanup", _scenario_cleanup, strategy)

@@ -21,6 +21,7 @@ __all__ = [
     "all_reduce_sum",
     "global_gradients",
     "install_reduction_reuse",
+    "local_replica",
     "none_for_none_spec",
     "reduces_in_step",
     "replica_spec",
@@ -36,6 +37,15 @@ def shared_context():
     if context is None or context.num_replicas_in_sync == 1:
         return None
     return context
+
+
+def local_replica(context):
+    """The index of `context`'s replica among this process's replicas: its
+    place in `strategy.experimental_local_results`. Replicas in other
+    worker processes come before or after this worker's in the sync
+    group, as many per worker."""
+    replica = int(tf.get_static_value(context.replica_id_in_sync_group))
+    return replica % len(context.strategy.extended.worker_devices)
 
 
 def all_reduce_sum(grads):

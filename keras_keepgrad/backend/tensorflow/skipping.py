@@ -100,7 +100,8 @@ def _written(optimizer, variables):
 def _replica_components(optimizer, variables):
     """`[(component, replica)]`: each replica's copy of what an update can
     write (`_written`), under a `tf.distribute` strategy of several
-    replicas in this process.
+    replicas, for the replicas in this process (`replica`: the index among
+    them, `distribute.local_replica`).
 
     A replica's step cannot hold its update in a `tf.cond`: the update's
     `merge_call` is not allowed in one. The writes are guarded instead,
@@ -201,19 +202,19 @@ def _guarding_replica_writes(run, components, context, optimizer):
     (`[(tf.Variable, replica index)]`) happens only where that replica's
     `run` is true.
 
-    Every replica's step opens it, with its own `run` (one value on every
-    replica: it judges the global gradients). The copies are written
+    Every replica's step in this process opens it, with its own `run`
+    (one value on every replica: it judges the global gradients). The
+    copies are written
     where the replicas' updates meet (`merge_call`), once every replica
     has opened it, or in a replica's own step for its own copy (a
     variable without aggregation, such as a `LossScaleOptimizer`'s
     counter). The first replica to open it guards every copy; the last to
     leave, or the first to raise, restores them.
     """
-    replica = tf.get_static_value(context.replica_id_in_sync_group)
     key = (id(context.strategy), id(optimizer))
     with _replica_guards_lock:
         guard = _replica_guards.setdefault(key, _ReplicaGuard(components, optimizer))
-        guard.runs[int(replica)] = run
+        guard.runs[distribute.local_replica(context)] = run
         guard.open += 1
         first = guard.open == 1
     if first:
@@ -365,7 +366,12 @@ def call_if(flag, fn, tensors, rows=()):
     once for all of them, where they meet (`merge_call`): the tensors
     named in `rows` (each replica's share of the batch) are concatenated
     in replica order, which is the order in which the strategy split the
-    batch; the others (the same on every replica) are replica 0's.
+    batch; the others (the same on every replica) are replica 0's. With
+    replicas in other worker processes (`MultiWorkerMirroredStrategy`),
+    the rows are gathered from every worker (a collective each worker's
+    branch joins: `flag` is the same on all) and `fn` runs on the chief
+    only (`strategy.extended.should_checkpoint`), as a checkpoint is
+    written by the chief.
     """
     names = list(tensors)
     values = [tensors[n] for n in names]
@@ -374,14 +380,20 @@ def call_if(flag, fn, tensors, rows=()):
 
         def merged(strategy, flag, *values):
             local = strategy.experimental_local_results
+            if distribute.reduces_in_step(strategy):
+
+                def rows_of(v):
+                    return strategy.gather(v, axis=0)
+            else:
+
+                def rows_of(v):
+                    return tf.concat(local(v), 0)
 
             def joined():
-                return [
-                    tf.concat(local(v), 0) if n in rows else local(v)[0]
-                    for n, v in zip(names, values)
-                ]
+                return [rows_of(v) if n in rows else local(v)[0] for n, v in zip(names, values)]
 
-            host_cond(local(flag)[0], names, joined, fn)
+            chief = strategy.extended.should_checkpoint
+            host_cond(local(flag)[0], names, joined, fn if chief else lambda arrays: None)
 
         context.merge_call(merged, args=(flag, *values))
         return

@@ -140,14 +140,15 @@ class Trainer(base.Trainer):
     def _strategy_refuses_skipping(self):
         strategy = self.distribute_strategy
         if strategy.num_replicas_in_sync == 1 or isinstance(
-            strategy, tf.distribute.MirroredStrategy
+            strategy, (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
         ):
             return None
         return (
             "`skip_bad_steps` under a `tf.distribute` strategy with several "
-            "replicas is supported with `MirroredStrategy` only. Received: "
+            "replicas is supported with `MirroredStrategy` and "
+            "`MultiWorkerMirroredStrategy` only. Received: "
             f"{type(strategy).__name__} of {strategy.num_replicas_in_sync} "
-            f"replicas for model {self.name!r}. Use `MirroredStrategy`, train "
+            f"replicas for model {self.name!r}. Use one of those, train "
             "on one replica, or set `model.skip_bad_steps = None`; "
             "`model.first_bad_replica` names the replica whose share of a "
             "batch went non-finite."
