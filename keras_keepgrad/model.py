@@ -217,7 +217,8 @@ class KeepGradModel(backend.Trainer, keras.Model):
             under a `tf.distribute` strategy of several replicas other
             than `MirroredStrategy` and `MultiWorkerMirroredStrategy`
             (under them, as the step is traced, with an optimizer that
-            is not one of Keras's).
+            overrides more of Keras's than `update_step`, `build`,
+            `__init__`, `get_config` and `from_config`).
 
     Examples:
         >>> import keras, numpy as np

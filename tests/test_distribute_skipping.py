@@ -168,12 +168,24 @@ def test_an_own_step_is_guarded(skipping):
     assert r["skipped_steps"] == [0.0, 1.0]
 
 
-def test_an_optimizer_of_its_own_is_refused_before_any_update(skipping):
+def test_an_optimizer_that_overrides_more_than_its_update_is_refused(skipping):
     r = _ok(skipping, "own_optimizer")
-    assert "skips the updates of Keras's own optimizers only" in r["message"]
-    assert "optimizer of type" in r["message"] and "OwnSGD" in r["message"]
+    assert "Keras's own optimizers and of subclasses that override only" in r["message"]
+    assert "OwnSGD from 'test_distribute_skipping'" in r["message"]
+    assert "which overrides `apply`. Override only" in r["message"]
     assert r["weight"] == 3.0
     assert r["iterations"] == 0
+
+
+def test_an_optimizer_with_its_own_update_step_skips(skipping):
+    r = _ok(skipping, "own_update_step")
+    # Step 1, x = [1, 2]: gradient 15, w = 3 - 0.125 * sign(15), and the
+    # optimizer's own variable sums it. Step 2 (NaN on replica 1) moves
+    # neither. Step 3, x = [1, 1]: gradient 2.875 * 2 = 5.75.
+    assert r["weights"] == [2.875, 2.875, 2.75]
+    assert r["totals"] == [15.0, 15.0, 20.75]
+    assert r["iterations"] == [1, 1, 2]
+    assert r["skipped_steps"] == [0.0, 1.0, 1.0]
 
 
 def test_nothing_stays_guarded_after_a_fit_or_a_step_that_raised(skipping):
@@ -451,7 +463,8 @@ def _scenario_own_optimizer(strategy):
     import keras
 
     class OwnSGD(keras.optimizers.SGD):
-        pass
+        def apply(self, grads, trainable_variables=None):
+            return super().apply(grads, trainable_variables)
 
     model = _model(strategy, lambda: OwnSGD(0.125), skip_bad_steps=True)
     return {
@@ -459,6 +472,38 @@ def _scenario_own_optimizer(strategy):
         "weight": _weight(strategy, model),
         "iterations": _iterations(strategy, model),
     }
+
+
+def _scenario_own_update_step(strategy):
+    """An optimizer written as Keras's guide writes one: its own variables
+    and `update_step` (a sign step that also sums the gradients)."""
+    import keras
+    from keras import ops
+
+    class SignSGD(keras.optimizers.Optimizer):
+        def build(self, variables):
+            if self.built:
+                return
+            super().build(variables)
+            self.totals = [self.add_variable_from_reference(v, "total") for v in variables]
+
+        def update_step(self, gradient, variable, learning_rate):
+            self.assign_add(self.totals[self._get_variable_index(variable)], gradient)
+            self.assign_sub(variable, ops.multiply(learning_rate, ops.sign(gradient)))
+
+    model = _model(strategy, lambda: SignSGD(0.125), skip_bad_steps=True)
+    result = {"weights": [], "totals": [], "iterations": [], "skipped_steps": []}
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            result["weights"].append(_weight(strategy, model))
+            result["totals"].append(_value(strategy, model.optimizer.totals[0])[0][0])
+            result["iterations"].append(_iterations(strategy, model))
+            result["skipped_steps"].append(float(logs["skipped_steps"]))
+
+    x = np.asarray([1.0, 2.0, 1.0, np.nan, 1.0, 1.0], "float32").reshape(-1, 1)
+    _fit(model, _dataset(x, np.zeros_like(x), batch_size=2), callbacks=[Record()])
+    return result
 
 
 def _scenario_cleanup(strategy):
@@ -513,6 +558,7 @@ def _skipping_scenarios():
         _scenario(results, "all_reduces", _scenario_all_reduces, strategy, directory)
     _scenario(results, "own_step", _scenario_own_step, strategy)
     _scenario(results, "own_optimizer", _scenario_own_optimizer, strategy)
+    _scenario(results, "own_update_step", _scenario_own_update_step, strategy)
     _scenario(results, "cleanup", _scenario_cleanup, strategy)
     return results
 
@@ -542,5 +588,6 @@ def _worker_skipping_scenarios():
     _scenario(results, "loss_scale", _scenario_loss_scale, strategy)
     _scenario(results, "own_step", _scenario_own_step, strategy)
     _scenario(results, "own_optimizer", _scenario_own_optimizer, strategy)
+    _scenario(results, "own_update_step", _scenario_own_update_step, strategy)
     _scenario(results, "cleanup", _scenario_cleanup, strategy)
     return results

@@ -7,6 +7,7 @@ and `replay_gradients`.
 
 import contextlib
 import functools
+import itertools
 import threading
 
 import keras
@@ -82,7 +83,11 @@ def _guardable(optimizer, variables, grads):
 def _of_keras(optimizer):
     """Whether `optimizer` is one of Keras's, whose update writes only its
     variables and those it updates, through their write methods."""
-    return type(optimizer).__module__.startswith("keras.")
+    return _of_keras_class(type(optimizer))
+
+
+def _of_keras_class(cls):
+    return cls.__module__.startswith("keras.")
 
 
 def _written(optimizer, variables):
@@ -97,6 +102,37 @@ def _written(optimizer, variables):
     return list(written.values())
 
 
+# What a subclass of a Keras optimizer may override and still be skipped
+# under a strategy: `update_step` runs inside the branch around the whole
+# update; the others run before any step, or never in one.
+_OWN_METHODS = ("__init__", "build", "update_step", "get_config", "from_config")
+
+
+def _overridden(optimizer):
+    """The names of the members of Keras's optimizer that `optimizer`'s
+    own classes (its subclasses of Keras's) define, bar `_OWN_METHODS`."""
+    keras_base = _compat.tf_optimizer_class()
+    allowed = _OWN_METHODS
+    if not hasattr(keras_base, "_distributed_tf_update_step"):
+        # No update to hold in one branch: `update_step` writes unguarded.
+        allowed = tuple(n for n in allowed if n != "update_step")
+    # The classes below Keras's (TensorFlow's trackables come after it).
+    own = list(itertools.takewhile(lambda c: not _of_keras_class(c), type(optimizer).__mro__))
+    return sorted(
+        {
+            n
+            for c in own
+            for n in vars(c)
+            if n not in allowed and hasattr(keras_base, n) and not _dunder(n)
+        }
+    )
+
+
+def _dunder(name):
+    """Class bookkeeping (`__module__`, `__doc__`...), not a method."""
+    return name.startswith("__") and name.endswith("__") and name != "__init__"
+
+
 def _replica_components(optimizer, variables):
     """`[(component, replica)]`: each replica's copy of what an update can
     write (`_written`), under a `tf.distribute` strategy of several
@@ -105,25 +141,35 @@ def _replica_components(optimizer, variables):
 
     A replica's step cannot hold its update in a `tf.cond`: the update's
     `merge_call` is not allowed in one. The writes are guarded instead,
-    each copy with its own replica's judgement (`_guarding_replica_writes`).
-    That needs every write to go through the copies' `assign`,
-    `assign_add`, `assign_sub`, `scatter_update`, `scatter_add` or
-    `scatter_sub` (`_GUARDED_METHODS`), as Keras's own optimizers' do.
+    each copy with its own replica's judgement (`_guarding_replica_writes`),
+    but those of the update of the variables by their gradients (the
+    optimizer's `update_step`), which one `tf.cond` holds where the
+    replicas meet. That needs every other write to go through the copies'
+    `assign`, `assign_add`, `assign_sub`, `scatter_update`, `scatter_add`
+    or `scatter_sub` (`_GUARDED_METHODS`), as Keras's own optimizers' do:
+    an optimizer of Keras's, or a subclass that changes nothing but
+    `update_step` and what runs before any step (`_OWN_METHODS`).
 
     Raises:
-        ValueError: `optimizer` is not one of Keras's, or something it
+        ValueError: `optimizer` is not such an optimizer, or something it
             writes is not a variable of the strategy.
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     for each in (optimizer, inner):
-        if not _of_keras(each):
+        overridden = _overridden(each)
+        if overridden:
             raise ValueError(
                 "Under a `tf.distribute` strategy with several replicas, "
                 "`skip_bad_steps` skips the updates of Keras's own optimizers "
-                "only (it guards each write they make to their variables). "
-                f"Received: optimizer of type {type(each).__qualname__} from "
-                f"{type(each).__module__!r}. Use one of `keras.optimizers`, "
-                "train on one replica, or set `model.skip_bad_steps = None`."
+                "and of subclasses that override only "
+                f"{', '.join(f'`{n}`' for n in _OWN_METHODS)} (it holds "
+                "`update_step` in one branch and guards each other write "
+                "Keras's optimizer makes to its variables). Received: "
+                f"optimizer of type {type(each).__qualname__} from "
+                f"{type(each).__module__!r}, which overrides "
+                f"{', '.join(f'`{n}`' for n in overridden)}. Override only "
+                "those, train on one replica, or set "
+                "`model.skip_bad_steps = None`."
             )
     strategy = tf.distribute.get_strategy()
     components = []
