@@ -244,6 +244,12 @@ if not WORKER:
 # `x = 2`), the step all-reduces the gradients, and every worker keeps the
 # same global gradient, readable locally.
 #
+# Then each worker turns on `skip_bad_steps` and fits one more batch,
+# `x = [[1], [NaN]]`: worker 1's share is bad. Both workers judge the
+# global gradient and skip the step; `first_bad_replica` names replica 1
+# on both, and the chief (worker 0) alone saves the batch, with both
+# workers' rows, into its own directory.
+#
 # Here both workers run on 127.0.0.1: this script starts itself twice with
 # `--worker`. On real machines, start the same script on each with its own
 # `TF_CONFIG`.
@@ -256,17 +262,29 @@ def worker():
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     model = one_weight_model(strategy)
     history = model.fit(one_weight_data().with_options(options), epochs=1, verbose=0, shuffle=False)
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "task": json.loads(os.environ["TF_CONFIG"])["task"]["index"],
-                "kept": float(model.gradients["dense_0"]["kernel"].numpy()[0, 0]),
-                "loss": history.history["loss"][0],
-            }
-        ),
-        flush=True,
+    result = {
+        "task": json.loads(os.environ["TF_CONFIG"])["task"]["index"],
+        "kept": float(model.gradients["dense_0"]["kernel"].numpy()[0, 0]),
+        "loss": history.history["loss"][0],
+    }
+
+    import tempfile
+
+    saved = tempfile.mkdtemp()  # each worker's own, as on separate machines
+    model.skip_bad_steps = kg.SkipBadSteps(save_batches_to=saved)
+    x = np.array([[1.0], [np.nan]], dtype="float32")
+    bad = tf.data.Dataset.from_tensor_slices((x, np.zeros_like(x))).batch(2)
+    history = model.fit(bad.with_options(options), epochs=1, verbose=0, shuffle=False)
+    result.update(
+        skipped=history.history["skipped_steps"][0],
+        weight=float(model.layers[-1].kernel.numpy()[0, 0]),
+        first_bad_replica=model.first_bad_replica,
+        saved=sorted(os.listdir(saved)),
     )
+    if result["saved"]:
+        with np.load(os.path.join(saved, result["saved"][0])) as f:
+            result["saved_x"] = f["x"].ravel().tolist()
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 def free_ports(n):
@@ -315,7 +333,14 @@ if WORKER:
 else:
     for result in run_two_workers():
         print(f"worker {result['task']}: kept gradient {result['kept']}, loss {result['loss']}")
+        print(
+            f"  x = [[1], [nan]]: skipped {result['skipped']:.0f}, weight {result['weight']},"
+            f" first bad replica {result['first_bad_replica']}, saved {result['saved']}"
+            + (f", x in it {result['saved_x']}" if result["saved"] else "")
+        )
         assert result["kept"] == 15.0 and result["loss"] == 22.5
+        assert result["skipped"] == 1.0 and result["weight"] == 1.5
+        assert len(result["saved"]) == (1 if result["task"] == 0 else 0)
 
 # %% [markdown]
 # ## What it costs
