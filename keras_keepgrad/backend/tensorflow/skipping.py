@@ -250,12 +250,11 @@ def _guarding_replica_writes(run, components, context, optimizer):
 
     Every replica's step in this process opens it, with its own `run`
     (one value on every replica: it judges the global gradients). The
-    copies are written
-    where the replicas' updates meet (`merge_call`), once every replica
-    has opened it, or in a replica's own step for its own copy (a
-    variable without aggregation, such as a `LossScaleOptimizer`'s
-    counter). The first replica to open it guards every copy; the last to
-    leave, or the first to raise, restores them.
+    copies are written where the replicas' updates meet (`merge_call`),
+    once every replica has opened it, or in a replica's own step for its
+    own copy (a variable without aggregation, such as a
+    `LossScaleOptimizer`'s counter). The first replica to open it guards
+    every copy; the last to leave, or the first to raise, restores them.
     """
     key = (id(context.strategy), id(optimizer))
     with _replica_guards_lock:
