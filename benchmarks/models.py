@@ -247,7 +247,12 @@ def _tf_models():
 
 def _waiting(optimizer_class, jit_compile):
     """`optimizer_class`, whose update waits for the gradients' global sum
-    of squares to be judged finite, and then runs whatever it found."""
+    of squares to be judged finite, and then runs whatever it found.
+
+    What waits is what waits in an exact skip: under XLA and under a
+    strategy of several replicas, the whole update (the skip selects, or
+    branches where the replicas meet); else each of the update's writes.
+    """
     import tensorflow as tf
 
     def values(g):
@@ -283,6 +288,27 @@ def _waiting(optimizer_class, jit_compile):
         return [after(judgement, g) for g in grads]
 
     class Waiting(optimizer_class):
+        # On one device without XLA: while the update is traced, the write
+        # of the step's judgement into `_flag` (a stateful op, whose control
+        # edges Grappler keeps), which each write of the update waits for.
+        _judgement = None
+        _flag = None
+
+        def assign(self, variable, value):
+            with self._waiting():
+                return super().assign(variable, value)
+
+        def assign_add(self, variable, value):
+            with self._waiting():
+                return super().assign_add(variable, value)
+
+        def assign_sub(self, variable, value):
+            with self._waiting():
+                return super().assign_sub(variable, value)
+
+        def _waiting(self):
+            return tf.control_dependencies([] if self._judgement is None else [self._judgement])
+
         def _all_reduce_sum_gradients(self, grads_and_vars):
             reduced = super()._all_reduce_sum_gradients(grads_and_vars)
             if not several_replicas():
@@ -295,16 +321,24 @@ def _waiting(optimizer_class, jit_compile):
         def _backend_apply_gradients(self, grads, trainable_variables):
             if several_replicas():
                 return super()._backend_apply_gradients(grads, trainable_variables)
+            judgement = finite(grads)
             if jit_compile:
                 # XLA orders by data, not by control edges, and drops a
                 # judgement only control edges use (so timed, the floor came
                 # to `kept`'s time); fused into the update, the product is no
                 # further pass.
-                judgement = finite(grads)
                 grads = [times(g, tf.cast(judgement, g.dtype)) for g in grads]
-            else:
-                grads = judged(grads)
-            return super()._backend_apply_gradients(grads, trainable_variables)
+                return super()._backend_apply_gradients(grads, trainable_variables)
+            # Only the writes wait, as the skip's guarded writes do: the
+            # update's arithmetic overlaps the judgement's pass.
+            if self._flag is None:
+                with tf.init_scope():
+                    self._flag = tf.Variable(False, trainable=False)
+            self._judgement = self._flag.assign(judgement, read_value=False)
+            try:
+                return super()._backend_apply_gradients(grads, trainable_variables)
+            finally:
+                self._judgement = None
 
     return Waiting
 
