@@ -196,9 +196,10 @@ def _guarding_writes(run, variables, select):
     applied one writes what it would have written.
 
     A branch around the whole update makes every op of it wait for the
-    judgement, even those that read no gradient, and costs a graph step
-    about 3% of the 1M-parameter MLP's (`benchmarks/`). Guarded one by
-    one, only the writes wait: each in a `tf.cond` of its own. Under XLA
+    judgement, even those that read no gradient: it cost the 1M-parameter
+    MLP's graph step about 2.5 points more than guarding each write
+    (`benchmarks/`). Guarded one by one, only the writes wait: each in a
+    `tf.cond` of its own. Under XLA
     (`select`), which turns a branch into a selection of each variable's
     new or old value after it (and an update that reads a moment it has
     updated, as Adam does, then copies every moment's old value, each
@@ -296,8 +297,8 @@ class _ReplicaGuard:
     (`_guard_copy`), but those of the optimizer's update of the variables
     by their gradients, the bulk, which one `tf.cond` holds where the
     replicas' updates meet. With a `tf.cond` per write, skipping cost a
-    1M-parameter MLP's step under `MirroredStrategy` +9.1% beyond its
-    floor, against +2.6% so (`benchmarks/`, one run of 2 processes).
+    1M-parameter MLP's step under `MirroredStrategy` 6.5 points more than
+    so (`benchmarks/`, one run of 2 processes).
 
     Args:
         components: `[(copy, replica index)]` to guard.
