@@ -248,7 +248,8 @@ if not WORKER:
 # `x = [[1], [NaN]]`: worker 1's share is bad. Both workers judge the
 # global gradient and skip the step; `first_bad_replica` names replica 1
 # on both, and the chief (worker 0) alone saves the batch, with both
-# workers' rows, into its own directory.
+# workers' rows, into its own directory (the file's step number counts
+# the steps run with `save_batches_to` set: this is the first).
 #
 # Here both workers run on 127.0.0.1: this script starts itself twice with
 # `--worker`. On real machines, start the same script on each with its own
