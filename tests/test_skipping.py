@@ -90,19 +90,12 @@ class OwnSGD(keras.optimizers.SGD):
 @pytest.mark.backends("tensorflow", reason="tf.cond, or guarded tf.Variable writes")
 @pytest.mark.parametrize("jit_compile", [False, True])
 @pytest.mark.parametrize("sgd, guarded", [(keras.optimizers.SGD, True), (OwnSGD, False)])
-@pytest.mark.parametrize("selected_entries", [4096, 0], ids=["selected", "branched"])
-def test_guarded_writes_and_a_branched_update_skip_alike(
-    sgd, guarded, jit_compile, selected_entries, monkeypatch
-):
-    # Keras's own optimizer: each write is guarded (selected under XLA or
-    # to a variable of at most `_SELECTED_ENTRIES` entries, here the one
-    # weight and its momentum unless that is 0; else in a branch of its
-    # own), as each training function is traced; the user's own: a
-    # `tf.cond` around its whole update.
+def test_guarded_writes_and_a_branched_update_skip_alike(sgd, guarded, jit_compile, monkeypatch):
+    # Keras's own optimizer: each write is guarded (selected under XLA, in
+    # a branch of its own without), as each training function is traced;
+    # the user's own: a `tf.cond` around its whole update.
     from keras_keepgrad.backend.tensorflow import skipping
 
-    assert skipping._SELECTED_ENTRIES == 4096
-    monkeypatch.setattr(skipping, "_SELECTED_ENTRIES", selected_entries)
     seen = []
     guarding = skipping._guarding_writes
     monkeypatch.setattr(skipping, "_guarding_writes", lambda *a: seen.append(a[2]) or guarding(*a))
@@ -138,12 +131,7 @@ def test_keras_optimizers_apply_as_plain_keras_and_skip_exactly(make):
     for cls, options, count in ((keras.Model, {}, 40), (kg.KeepGradModel, skipping, 48)):
         keras.utils.set_random_seed(0)
         inputs = keras.Input((4,))
-        # On TensorFlow the 4 x 1025 kernel's writes branch, the other
-        # variables' (1025 or fewer entries) select. On JAX that width
-        # takes Adafactor's update off plain Keras's in the last bits
-        # (docs/skipping.md), so it keeps a 4 x 8 one, as PyTorch does.
-        width = 1025 if keras.backend.backend() == "tensorflow" else 8
-        hidden = keras.layers.Dense(width, activation="relu")(inputs)
+        hidden = keras.layers.Dense(8, activation="relu")(inputs)
         model = cls(inputs, keras.layers.Dense(1)(hidden), **options)
         jit = keras.backend.backend() == "jax"
         model.compile(optimizer=make(), loss="mse", jit_compile=jit)

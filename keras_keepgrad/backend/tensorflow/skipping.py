@@ -189,14 +189,6 @@ def _replica_components(optimizer, variables):
     return components
 
 
-# Without XLA, a write to a variable of at most this many entries selects
-# (`tf.where(run, new, old)`) rather than branches: a selection of 16 KB
-# costs less than a `tf.cond`, which runs as a function of its own. On the
-# 1M-parameter MLP (Adam: biases, their moments, the iteration count) it
-# took skipping from 2.3 points beyond its floor to -0.6 (`benchmarks/`).
-_SELECTED_ENTRIES = 4096
-
-
 @contextlib.contextmanager
 def _guarding_writes(run, variables, select):
     """While open, each write to `variables` (`tf.Variable`s) happens only
@@ -207,17 +199,14 @@ def _guarding_writes(run, variables, select):
     judgement, even those that read no gradient: it cost the 1M-parameter
     MLP's graph step about 2.5 points more than guarding each write
     (`benchmarks/`). Guarded one by one, only the writes wait: each in a
-    `tf.cond` of its own. Under XLA (`select`), which turns a branch into
-    a selection of each variable's new or old value after it (and an
-    update that reads a moment it has updated, as Adam does, then copies
-    every moment's old value, each step), each write selects
-    `tf.where(run, new, old)` as it happens; so does a write to a small
-    variable without XLA (`_SELECTED_ENTRIES`).
+    `tf.cond` of its own. Under XLA
+    (`select`), which turns a branch into a selection of each variable's
+    new or old value after it (and an update that reads a moment it has
+    updated, as Adam does, then copies every moment's old value, each
+    step), each write selects `tf.where(run, new, old)` as it happens.
     """
 
     def guarding(variable):
-        entries = variable.shape.num_elements()
-        selects = select or (entries is not None and entries <= _SELECTED_ENTRIES)
         assign = variable.assign
         methods = (assign, variable.assign_add, variable.assign_sub)
         combines = (lambda old, value: value, tf.add, tf.subtract)
@@ -225,7 +214,7 @@ def _guarding_writes(run, variables, select):
         def guard(method, combine):
             def write(value, use_locking=None, name=None, read_value=True):
                 value = tf.convert_to_tensor(value, variable.dtype)
-                if selects:
+                if select:
                     old = variable.read_value()
                     return assign(tf.where(run, combine(old, value), old), read_value=read_value)
 
