@@ -540,52 +540,43 @@ def _scenario_cleanup(strategy):
 
 
 def _skipping_scenarios():
-    import tempfile
-
     import keras
     import tensorflow as tf
 
     keras.config.disable_traceback_filtering()
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    results = {}
-    with tempfile.TemporaryDirectory() as directory:
-        _scenario(results, "nan_and_spike", _scenario_nan_and_spike, strategy, directory)
-    _scenario(results, "overflow", _scenario_overflow, strategy)
-    _scenario(results, "adam_as_plain", _scenario_adam_as_plain, strategy)
-    _scenario(results, "embedding", _scenario_embedding, strategy)
-    _scenario(results, "loss_scale", _scenario_loss_scale, strategy)
-    with tempfile.TemporaryDirectory() as directory:
-        _scenario(results, "all_reduces", _scenario_all_reduces, strategy, directory)
-    _scenario(results, "own_step", _scenario_own_step, strategy)
-    _scenario(results, "own_optimizer", _scenario_own_optimizer, strategy)
-    _scenario(results, "own_update_step", _scenario_own_update_step, strategy)
-    _scenario(results, "cleanup", _scenario_cleanup, strategy)
-    return results
+    return _all_scenarios(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
 
 
 def _worker_skipping_scenarios():
-    import functools
-    import tempfile
-
     import keras
     import tensorflow as tf
 
     import keras_keepgrad as kg
 
     keras.config.disable_traceback_filtering()
+    # Keras 3.15's own `fit` fails under this strategy (see
+    # `test_distribute.py`): the reference is a `KeepGradModel` that does
+    # not skip. Each worker saves to its own directory: the chief's alone
+    # receives files.
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    return _all_scenarios(strategy, plain_cls=kg.KeepGradModel, count_all_reduces=False)
+
+
+def _all_scenarios(strategy, plain_cls=None, count_all_reduces=True):
+    import functools
+    import tempfile
+
     results = {}
-    # Each worker its own directory: the chief's alone receives files.
     with tempfile.TemporaryDirectory() as directory:
         _scenario(results, "nan_and_spike", _scenario_nan_and_spike, strategy, directory)
     _scenario(results, "overflow", _scenario_overflow, strategy)
-    # Keras 3.15's own `fit` fails under this strategy (see
-    # `test_distribute.py`): the reference is a `KeepGradModel` that does
-    # not skip.
-    plain = functools.partial(_scenario_adam_as_plain, plain_cls=kg.KeepGradModel)
+    plain = functools.partial(_scenario_adam_as_plain, plain_cls=plain_cls)
     _scenario(results, "adam_as_plain", plain, strategy)
     _scenario(results, "embedding", _scenario_embedding, strategy)
     _scenario(results, "loss_scale", _scenario_loss_scale, strategy)
+    if count_all_reduces:
+        with tempfile.TemporaryDirectory() as directory:
+            _scenario(results, "all_reduces", _scenario_all_reduces, strategy, directory)
     _scenario(results, "own_step", _scenario_own_step, strategy)
     _scenario(results, "own_optimizer", _scenario_own_optimizer, strategy)
     _scenario(results, "own_update_step", _scenario_own_update_step, strategy)
