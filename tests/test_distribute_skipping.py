@@ -509,7 +509,7 @@ def _scenario_own_update_step(strategy):
 def _scenario_cleanup(strategy):
     import keras
 
-    from keras_keepgrad.backend.tensorflow import skipping
+    from keras_keepgrad.backend.tensorflow import replica_guards
 
     class Schedule(keras.optimizers.schedules.LearningRateSchedule):
         fails = True
@@ -526,10 +526,10 @@ def _scenario_cleanup(strategy):
         variables = [*model.weights, *model.optimizer.variables]
         copies = [c for v in variables for c in strategy.experimental_local_results(v.value)]
         patched = sorted(
-            {n for c in copies for n in skipping._GUARDED_METHODS if n in vars(c)}
+            {n for c in copies for n in replica_guards._GUARDED_METHODS if n in vars(c)}
             | {n for n in vars(model.optimizer) if n == "_distributed_tf_update_step"}
         )
-        return {"guards": len(skipping._replica_guards), "patched": patched}
+        return {"guards": len(replica_guards._replica_guards), "patched": patched}
 
     result = {"message": _fit_error(model), "after_raise": left()}
     schedule.fails = False
