@@ -20,7 +20,7 @@ import tensorflow as tf
 from keras_keepgrad import _compat
 from keras_keepgrad.backend.tensorflow import distribute
 
-__all__ = ["guarding_replica_writes", "of_keras", "replica_components", "written"]
+__all__ = ["guarding_replica_writes", "of_keras", "replica_components", "written_variables"]
 
 
 def of_keras(optimizer):
@@ -33,16 +33,16 @@ def _of_keras_class(cls):
     return cls.__module__.startswith("keras.")
 
 
-def written(optimizer, variables):
+def written_variables(optimizer, variables):
     """What an update of `variables` by `optimizer` can write: their and
     the optimizer's variables, as the `tf.Variable`s that hold them."""
-    written = {}
+    found = {}
     # Its EMA writes every variable it was built for, beyond those applied.
     built_for = _compat.optimizer_variables(optimizer)
     for variable in [*variables, *built_for, *optimizer.variables]:
         value = variable.value if isinstance(variable, keras.Variable) else variable
-        written[id(value)] = value
-    return list(written.values())
+        found[id(value)] = value
+    return list(found.values())
 
 
 # What a subclass of a Keras optimizer may override and still be skipped
@@ -78,7 +78,7 @@ def _dunder(name):
 
 def replica_components(optimizer, variables):
     """`[(component, replica)]`: each replica's copy of what an update can
-    write (`written`), under a `tf.distribute` strategy of several
+    write (`written_variables`), under a `tf.distribute` strategy of several
     replicas, for the replicas in this process (`replica`: the index among
     them, `distribute.local_replica`).
 
@@ -116,7 +116,7 @@ def replica_components(optimizer, variables):
             )
     strategy = tf.distribute.get_strategy()
     components = []
-    for value in written(optimizer, variables):
+    for value in written_variables(optimizer, variables):
         if not isinstance(value, tf.distribute.DistributedValues):
             raise ValueError(
                 f"Variable {value.name!r} is written by the update of "

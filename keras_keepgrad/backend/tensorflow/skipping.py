@@ -71,7 +71,7 @@ def _guardable(optimizer, variables, grads):
         return None
     if any(isinstance(g, tf.IndexedSlices) for g in grads):
         return None
-    written = replica_guards.written(optimizer, variables)
+    written = replica_guards.written_variables(optimizer, variables)
     for value in written:
         if not isinstance(value, tf.Variable) or isinstance(value, tf.distribute.DistributedValues):
             return None
