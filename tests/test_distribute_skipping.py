@@ -1,10 +1,12 @@
-"""`skip_bad_steps` under `tf.distribute.MirroredStrategy` on 2 logical CPUs.
+"""`skip_bad_steps` under `tf.distribute.MirroredStrategy` on 2 logical
+CPUs, and under `MultiWorkerMirroredStrategy` with two workers.
 
 Every replica judges the global gradient (the sum of the replicas'
 partial gradients), so they all skip or all apply, on what one device
 would see. The scenarios run in a subprocess that first splits the CPU
-into 2 logical devices (see `test_distribute.py`); the pytest process
-reads their JSON.
+into 2 logical devices, and again in two worker processes on 127.0.0.1
+of one replica each (see `test_distribute.py`); the pytest process reads
+their JSON.
 
 The one-weight model of the suite: a bias-free Dense(1) with w = 3, y = 0,
 mse. On 2 replicas a batch x = [p, q] splits in order: replica 0 keeps the
