@@ -272,6 +272,25 @@ def _steps(strategy, model, batches):
     return record
 
 
+def _fit_recording(model, x, **reads):
+    """Fits `x` (y = 0) in one epoch of batches of 2; after each batch,
+    records each of `reads` (`{name: function of no argument}`) and the
+    logged `skipped_steps`."""
+    import keras
+
+    record = {name: [] for name in [*reads, "skipped_steps"]}
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            for name, read in reads.items():
+                record[name].append(read())
+            record["skipped_steps"].append(float(logs["skipped_steps"]))
+
+    x = np.asarray(x, "float32").reshape(-1, 1)
+    _fit(model, _dataset(x, np.zeros_like(x), batch_size=2), callbacks=[Record()])
+    return record
+
+
 def _scenario_nan_and_spike(strategy, directory):
     import os
 
@@ -283,19 +302,14 @@ def _scenario_nan_and_spike(strategy, directory):
     model = _model(strategy, lambda: keras.optimizers.SGD(0.125), skip_bad_steps=config)
     # One epoch of 4 batches, then the same steps one at a time would
     # reset the count: fit all 4 in one `fit`, reading after each batch.
-    rows = [[1.0, 2.0], [1.0, np.nan], [1.0, 1.0], [2.0, 2.0]]
-    result = {k: [] for k in ("weights", "iterations", "gradients", "first_bad_replica")}
-
-    class Record(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            result["weights"].append(_weight(strategy, model))
-            result["iterations"].append(_iterations(strategy, model))
-            result["gradients"].append(_json(model.gradients["dense_0"]["kernel"]))
-            result["first_bad_replica"].append(model.first_bad_replica)
-            result.setdefault("skipped_steps", []).append(float(logs["skipped_steps"]))
-
-    x = np.asarray(rows, "float32").reshape(-1, 1)
-    _fit(model, _dataset(x, np.zeros_like(x), batch_size=2), callbacks=[Record()])
+    result = _fit_recording(
+        model,
+        [1.0, 2.0, 1.0, np.nan, 1.0, 1.0, 2.0, 2.0],
+        weights=lambda: _weight(strategy, model),
+        iterations=lambda: _iterations(strategy, model),
+        gradients=lambda: _json(model.gradients["dense_0"]["kernel"]),
+        first_bad_replica=lambda: model.first_bad_replica,
+    )
     result["metric_result"] = float(np.asarray(model._skipped_metric.result()["skipped_steps"]))
     result["files"] = sorted(os.listdir(directory))
     result["saved"] = []
@@ -384,18 +398,13 @@ def _scenario_loss_scale(strategy):
 
     config = kg.SkipBadSteps(spike_factor=2.0, window=1)
     model = _model(strategy, optimizer, skip_bad_steps=config)
-    result = {"weights": [], "scale": [], "counter": [], "skipped_steps": []}
-    x = np.asarray([1.0, 2.0, 1.0, np.nan, 4.0, 4.0], "float32").reshape(-1, 1)
-
-    class Record(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            result["weights"].append(_weight(strategy, model))
-            result["scale"].append(_value(strategy, model.optimizer.dynamic_scale))
-            result["counter"].append(_value(strategy, model.optimizer.step_counter))
-            result["skipped_steps"].append(float(logs["skipped_steps"]))
-
-    _fit(model, _dataset(x, np.zeros_like(x), batch_size=2), callbacks=[Record()])
-    return result
+    return _fit_recording(
+        model,
+        [1.0, 2.0, 1.0, np.nan, 4.0, 4.0],
+        weights=lambda: _weight(strategy, model),
+        scale=lambda: _value(strategy, model.optimizer.dynamic_scale),
+        counter=lambda: _value(strategy, model.optimizer.step_counter),
+    )
 
 
 def _scenario_all_reduces(strategy, directory):
@@ -494,18 +503,13 @@ def _scenario_own_update_step(strategy):
             self.assign_sub(variable, ops.multiply(learning_rate, ops.sign(gradient)))
 
     model = _model(strategy, lambda: SignSGD(0.125), skip_bad_steps=True)
-    result = {"weights": [], "totals": [], "iterations": [], "skipped_steps": []}
-
-    class Record(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            result["weights"].append(_weight(strategy, model))
-            result["totals"].append(_value(strategy, model.optimizer.totals[0])[0][0])
-            result["iterations"].append(_iterations(strategy, model))
-            result["skipped_steps"].append(float(logs["skipped_steps"]))
-
-    x = np.asarray([1.0, 2.0, 1.0, np.nan, 1.0, 1.0], "float32").reshape(-1, 1)
-    _fit(model, _dataset(x, np.zeros_like(x), batch_size=2), callbacks=[Record()])
-    return result
+    return _fit_recording(
+        model,
+        [1.0, 2.0, 1.0, np.nan, 1.0, 1.0],
+        weights=lambda: _weight(strategy, model),
+        totals=lambda: _value(strategy, model.optimizer.totals[0])[0][0],
+        iterations=lambda: _iterations(strategy, model),
+    )
 
 
 def _scenario_cleanup(strategy):
