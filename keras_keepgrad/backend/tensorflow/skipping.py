@@ -152,14 +152,14 @@ def call_if(flag, fn, tensors, rows=()):
 
     In a replica's step of a strategy with several replicas, `fn` runs
     once for all of them, where they meet (`merge_call`): the tensors
-    named in `rows` (each replica's share of the batch) are concatenated
-    in replica order, which is the order in which the strategy split the
-    batch; the others (the same on every replica) are replica 0's. With
-    replicas in other worker processes (`MultiWorkerMirroredStrategy`),
-    the rows are gathered from every worker (a collective each worker's
-    branch joins: `flag` is the same on all) and `fn` runs on the chief
-    only (`strategy.extended.should_checkpoint`), as a checkpoint is
-    written by the chief.
+    named in `rows` (each replica's share of the batch) are gathered
+    (`strategy.gather`) in replica order, which is the order in which the
+    strategy split the batch; the others (the same on every replica) are
+    replica 0's. With replicas in other worker processes
+    (`MultiWorkerMirroredStrategy`) the gathering is a collective each
+    worker's branch joins (`flag` is the same on all), and `fn` runs on
+    the chief only (`strategy.extended.should_checkpoint`), as a
+    checkpoint is written by the chief.
     """
     names = list(tensors)
     values = [tensors[n] for n in names]
@@ -168,17 +168,12 @@ def call_if(flag, fn, tensors, rows=()):
 
         def merged(strategy, flag, *values):
             local = strategy.experimental_local_results
-            if distribute.reduces_in_step(strategy):
-
-                def rows_of(v):
-                    return strategy.gather(v, axis=0)
-            else:
-
-                def rows_of(v):
-                    return tf.concat(local(v), 0)
 
             def joined():
-                return [rows_of(v) if n in rows else local(v)[0] for n, v in zip(names, values)]
+                return [
+                    strategy.gather(v, axis=0) if n in rows else local(v)[0]
+                    for n, v in zip(names, values)
+                ]
 
             chief = strategy.extended.should_checkpoint
             host_cond(local(flag)[0], names, joined, fn if chief else lambda arrays: None)
