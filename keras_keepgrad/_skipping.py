@@ -29,6 +29,7 @@ from keras_keepgrad import _capture
 from keras_keepgrad import _checks
 from keras_keepgrad import _compat
 from keras_keepgrad import _evidence
+from keras_keepgrad import _ops
 from keras_keepgrad import _replicas
 from keras_keepgrad import _squares
 from keras_keepgrad import _torch_compile
@@ -332,7 +333,7 @@ class Guard:
         squares = _squares.shared_squares(dict(enumerate(grads)))
         finite = ops.convert_to_tensor(True)
         if grads:
-            finite = ops.cond(
+            finite = _ops.cond(
                 ops.all(ops.isfinite(squares)),
                 lambda: ops.convert_to_tensor(True),
                 lambda: ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads])),
