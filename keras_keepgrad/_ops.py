@@ -1,4 +1,5 @@
-"""The few TensorFlow functions the metrics use, in `keras.ops`.
+"""The few TensorFlow functions the metrics use, in `keras.ops`; and
+`cond`, `keras.ops.cond` without its per-call cost on PyTorch.
 
 Backend-neutral: on JAX and PyTorch, the `metrics` package and `_squares`
 import `tf_ops` as `tf`, so that their arithmetic is written once for every
@@ -21,8 +22,8 @@ def cond(pred, true_fn, false_fn):
 
     On PyTorch, outside Keras's symbolic tracing, a Python `if`, as
     Keras's own PyTorch `cond` is: `keras.ops.cond` also builds a Keras
-    `Operation` on each call, which costs more than the `if` (about 40 µs
-    on a 2-core CPU), each step, for each call.
+    `Operation` on each call, about 40 µs more per call on a 2-core CPU,
+    and the step's judgement and metrics call it every step.
     """
     if _compat.BACKEND == "torch" and not _compat.in_symbolic_build():
         return true_fn() if bool(pred) else false_fn()
