@@ -109,25 +109,47 @@ KERAS_OPTIMIZERS = {
     "adam_ema": lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=3),
     "adamw": lambda: keras.optimizers.AdamW(1e-2),
     "adafactor": lambda: keras.optimizers.Adafactor(1e-2),
+    "adadelta": lambda: keras.optimizers.Adadelta(1e-2),
     "adagrad": lambda: keras.optimizers.Adagrad(1e-2),
+    "adamax": lambda: keras.optimizers.Adamax(1e-2),
+    "ftrl": lambda: keras.optimizers.Ftrl(1e-2),
+    "lamb": lambda: keras.optimizers.Lamb(1e-2),
+    "muon": lambda: keras.optimizers.Muon(1e-2),
+    "nadam": lambda: keras.optimizers.Nadam(1e-2),
+    "multi": lambda: _multi(),
+    "schedule_free": lambda: keras.optimizers.ScheduleFreeAdamW(1e-2),
     "lion": lambda: keras.optimizers.Lion(1e-2),
     "rmsprop": lambda: keras.optimizers.RMSprop(1e-2, momentum=0.5, centered=True),
     "sgd_clipped": lambda: keras.optimizers.SGD(1e-2, momentum=0.9, global_clipnorm=0.5),
 }
 
 
+def _multi():
+    # Kernels and biases each with an optimizer of their own (and state of
+    # their own); the `MultiOptimizer`'s one `apply` is judged once.
+    kernels, biases = keras.optimizers.Adam(1e-2), keras.optimizers.SGD(1e-2, momentum=0.9)
+    return keras.optimizers.MultiOptimizer(lambda v: kernels if "kernel" in v.path else biases)
+
+
+@pytest.mark.parametrize("bad", ["nan", "spike"])
 @pytest.mark.parametrize("make", KERAS_OPTIMIZERS.values(), ids=KERAS_OPTIMIZERS)
-def test_keras_optimizers_apply_as_plain_keras_and_skip_exactly(make):
-    """Five batches, then one holding a NaN, in one `fit` (JAX's EMA
-    refuses a second `fit` in plain Keras too): the skipping model ends
-    bit-identical to a plain `keras.Model` fitted on the five. JAX jitted,
-    TensorFlow and PyTorch without XLA (XLA compiles each program its own
-    way, see docs/skipping.md)."""
+def test_keras_optimizers_apply_as_plain_keras_and_skip_exactly(make, bad):
+    """Five batches, then a bad one, in one `fit` (JAX's EMA refuses a
+    second `fit` in plain Keras too): the skipping model ends bit-identical
+    to a plain `keras.Model` fitted on the five. The bad batch holds a NaN,
+    or a row 10^4 times the others (window 5, factor 10: its gradients'
+    norm is far above 10 times the five's median). JAX jitted, TensorFlow
+    and PyTorch without XLA (XLA compiles each program its own way, see
+    docs/skipping.md)."""
     rows = np.random.RandomState(1).rand(48, 4).astype("float32")
-    rows[45, 2] = np.nan
+    if bad == "nan":
+        rows[45, 2] = np.nan
+        skipping = {"skip_bad_steps": True}
+    else:
+        rows[45] *= 1e4
+        skipping = {"skip_bad_steps": kg.SkipBadSteps(spike_factor=10.0, window=5)}
     targets = np.random.RandomState(2).rand(48, 1).astype("float32")
     states = []
-    skipping = {"skip_bad_steps": True}
     for cls, options, count in ((keras.Model, {}, 40), (kg.KeepGradModel, skipping, 48)):
         keras.utils.set_random_seed(0)
         inputs = keras.Input((4,))
