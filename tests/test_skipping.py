@@ -131,37 +131,65 @@ def _multi():
     return keras.optimizers.MultiOptimizer(lambda v: kernels if "kernel" in v.path else biases)
 
 
+def _with_a_bad_batch(bad):
+    """48 rows of 4 features, their targets, and the `skip_bad_steps` that
+    skips row 45's batch (the sixth of 8): a NaN in it, or the row 10^4
+    times the others (window 5, factor 10: its gradients' norm is far above
+    10 times the five's median)."""
+    rows = np.random.RandomState(1).rand(48, 4).astype("float32")
+    targets = np.random.RandomState(2).rand(48, 1).astype("float32")
+    if bad == "nan":
+        rows[45, 2] = np.nan
+        return rows, targets, True
+    rows[45] *= 1e4
+    return rows, targets, kg.SkipBadSteps(spike_factor=10.0, window=5)
+
+
+def _fitted(cls, options, make, rows, targets, jit_compile):
+    """A 4-8-1 MLP of `cls`, compiled with `make()`, fitted in one `fit` on
+    `rows` (batches of 8): its every weight and optimizer variable, as
+    bytes, and its history."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    model = cls(inputs, keras.layers.Dense(1)(hidden), **options)
+    model.compile(optimizer=make(), loss="mse", jit_compile=jit_compile)
+    history = model.fit(rows, targets, batch_size=8, shuffle=False, verbose=0)
+    return cases.state_bytes(model), history.history
+
+
 @pytest.mark.parametrize("bad", ["nan", "spike"])
 @pytest.mark.parametrize("make", KERAS_OPTIMIZERS.values(), ids=KERAS_OPTIMIZERS)
 def test_keras_optimizers_apply_as_plain_keras_and_skip_exactly(make, bad):
     """Five batches, then a bad one, in one `fit` (JAX's EMA refuses a
     second `fit` in plain Keras too): the skipping model ends bit-identical
-    to a plain `keras.Model` fitted on the five. The bad batch holds a NaN,
-    or a row 10^4 times the others (window 5, factor 10: its gradients'
-    norm is far above 10 times the five's median). JAX jitted, TensorFlow
+    to a plain `keras.Model` fitted on the five. JAX jitted, TensorFlow
     and PyTorch without XLA (XLA compiles each program its own way, see
     docs/skipping.md)."""
-    rows = np.random.RandomState(1).rand(48, 4).astype("float32")
-    if bad == "nan":
-        rows[45, 2] = np.nan
-        skipping = {"skip_bad_steps": True}
-    else:
-        rows[45] *= 1e4
-        skipping = {"skip_bad_steps": kg.SkipBadSteps(spike_factor=10.0, window=5)}
-    targets = np.random.RandomState(2).rand(48, 1).astype("float32")
-    states = []
-    for cls, options, count in ((keras.Model, {}, 40), (kg.KeepGradModel, skipping, 48)):
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((4,))
-        hidden = keras.layers.Dense(8, activation="relu")(inputs)
-        model = cls(inputs, keras.layers.Dense(1)(hidden), **options)
-        jit = keras.backend.backend() == "jax"
-        model.compile(optimizer=make(), loss="mse", jit_compile=jit)
-        history = model.fit(rows[:count], targets[:count], batch_size=8, shuffle=False, verbose=0)
-        states.append(cases.state_bytes(model))
-    assert history.history["skipped_steps"] == [1.0]
+    rows, targets, skipping = _with_a_bad_batch(bad)
+    jit = keras.backend.backend() == "jax"
+    plain, _ = _fitted(keras.Model, {}, make, rows[:40], targets[:40], jit)
+    skipped, history = _fitted(
+        kg.KeepGradModel, {"skip_bad_steps": skipping}, make, rows, targets, jit
+    )
+    assert history["skipped_steps"] == [1.0]
     # The weights and every optimizer variable, the iteration count too.
-    assert states[1] == states[0]
+    assert skipped == plain
+
+
+@pytest.mark.parametrize("bad", ["nan", "spike"])
+@pytest.mark.parametrize("make", KERAS_OPTIMIZERS.values(), ids=KERAS_OPTIMIZERS)
+def test_keras_optimizers_skip_exactly_in_compiled_steps(make, bad):
+    """As above with `jit_compile=True` on every backend (XLA on TensorFlow
+    and JAX, `torch.compile` on PyTorch), against the same skipping model
+    fitted on the five good batches alone: both run the same compiled
+    step, and the bad step, skipped, changes no bit."""
+    rows, targets, skipping = _with_a_bad_batch(bad)
+    options = {"skip_bad_steps": skipping}
+    five, history = _fitted(kg.KeepGradModel, options, make, rows[:40], targets[:40], True)
+    six, history_six = _fitted(kg.KeepGradModel, options, make, rows, targets, True)
+    assert (history["skipped_steps"], history_six["skipped_steps"]) == ([0.0], [1.0])
+    assert six == five
 
 
 @pytest.mark.backends("tensorflow", reason="a train_step written with tf.GradientTape")
