@@ -120,6 +120,24 @@ def finite_gradient_whose_square_overflows_is_not_skipped(mode):
     assert (iterations(model), float(logs["skipped_steps"])) == (1, 1.0)
 
 
+def applied_update_that_overflows_a_weight_stays_applied(mode):
+    """Skipping judges gradients, not the update they make: (1, 2) gives
+    d/dw = 15, finite, and SGD(1e38) makes w = 3 - 1.5e39, beyond float32:
+    -inf. That step is applied. The next one's gradient is 5 * -inf = -inf:
+    skipped, and w stays -inf; so is every later step."""
+    model = one_weight(skip_bad_steps=True)
+    model.compile(optimizer=keras.optimizers.SGD(1e38), loss="mse", **mode)
+    logs = _train_on_batch(model, X, Y, return_dict=True)
+    assert (float(kernel(model)[0, 0]), float(logs["skipped_steps"])) == (15.0, 0.0)
+    assert float(model.get_weights()[0][0, 0]) == -np.inf
+    for _ in range(2):
+        logs = _train_on_batch(model, X, Y, return_dict=True)
+        assert float(kernel(model)[0, 0]) == -np.inf
+        assert (iterations(model), float(logs["skipped_steps"])) == (1, 1.0)
+        assert float(logs["loss"]) == np.inf
+    assert float(model.get_weights()[0][0, 0]) == -np.inf
+
+
 def history_counts_the_skipped_steps_per_epoch(mode):
     """Each epoch: (1, 2) three times, (2, 4), NaN, (1, 3); window 3,
     factor 3. Epoch 1: 60 is skipped (limit 45), NaN is skipped (and joins

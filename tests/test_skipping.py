@@ -22,6 +22,7 @@ CASES = [
     cases.nan_step_leaves_the_state_bit_identical,
     cases.spike_above_the_factor_is_skipped_below_it_is_not,
     cases.finite_gradient_whose_square_overflows_is_not_skipped,
+    cases.applied_update_that_overflows_a_weight_stays_applied,
     cases.history_counts_the_skipped_steps_per_epoch,
     cases.own_train_step_is_guarded,
     cases.off_changes_nothing,
