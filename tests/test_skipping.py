@@ -134,9 +134,9 @@ def _multi():
 
 def _with_a_bad_batch(bad):
     """48 rows of 4 features, their targets, and the `skip_bad_steps` that
-    skips row 45's batch (the sixth of 8): a NaN in it, or the row 10^4
-    times the others (window 5, factor 10: its gradients' norm is far above
-    10 times the five's median)."""
+    skips the sixth batch of 8 rows: row 45 holds a NaN, or is 10^4 times
+    the others (window 5, factor 10: that batch's gradient norm is far
+    above 10 times the median of the first five's)."""
     rows = np.random.RandomState(1).rand(48, 4).astype("float32")
     targets = np.random.RandomState(2).rand(48, 1).astype("float32")
     if bad == "nan":
