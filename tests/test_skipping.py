@@ -271,6 +271,68 @@ def test_a_spike_factor_needs_one_apply_per_step():
     assert history.history["skipped_steps"] == [1.0]
 
 
+class TwoOptimizers(kg.KeepGradModel):
+    """Two one-weight layers, a and b (w = 3 each), on one input column
+    each, y = 0, mse apiece: d/da = 3 (p^2 + q^2) for a's column (p, q).
+    Its own step applies a's gradient with the compiled optimizer and b's
+    with one of its own, as a GAN's step does."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        constant = keras.initializers.Constant(3.0)
+        self.a = keras.layers.Dense(1, use_bias=False, kernel_initializer=constant, name="a")
+        self.b = keras.layers.Dense(1, use_bias=False, kernel_initializer=constant, name="b")
+        self.b_optimizer = keras.optimizers.SGD(0.1)
+
+    def call(self, x):
+        return self.a(x[:, :1]) + self.b(x[:, 1:])
+
+    def train_step(self, data):
+        x, y = data
+        if keras.backend.backend() == "torch":
+            losses = [
+                keras.ops.mean((layer(x[:, i : i + 1]) - y) ** 2)
+                for i, layer in enumerate((self.a, self.b))
+            ]
+            self.zero_grad()
+            (losses[0] + losses[1]).backward()
+            grads = [[v.value.grad for v in layer.trainable_weights] for layer in (self.a, self.b)]
+        else:
+            with tf.GradientTape(persistent=True) as tape:
+                losses = [
+                    tf.reduce_mean((layer(x[:, i : i + 1]) - y) ** 2)
+                    for i, layer in enumerate((self.a, self.b))
+                ]
+            grads = [
+                tape.gradient(loss, layer.trainable_weights)
+                for loss, layer in zip(losses, (self.a, self.b))
+            ]
+        self.optimizer.apply(grads[0], self.a.trainable_weights)
+        self.b_optimizer.apply(grads[1], self.b.trainable_weights)
+        return {"a_loss": losses[0], "b_loss": losses[1]}
+
+
+@pytest.mark.backends(
+    "tensorflow", "torch", reason="a JAX step carries one optimizer's state (Keras's JAX trainer)"
+)
+def test_a_step_with_one_of_two_updates_skipped_counts_as_skipped():
+    """b's column holds a NaN: b's update is skipped (b stays 3, its
+    optimizer's iteration count 0), a's runs (d/da = 3 (1 + 4) = 15, SGD(0.1):
+    a = 1.5, count 1), and the step counts once in `skipped_steps`."""
+    model = TwoOptimizers(skip_bad_steps=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    x = np.array([[1.0, np.nan], [2.0, 1.0]], "float32")
+    model(x)
+    model.b_optimizer.build(model.b.trainable_weights)
+    history = model.fit(x, Y, batch_size=2, verbose=0)
+    assert history.history["skipped_steps"] == [1.0]
+    weights = [
+        float(keras.ops.convert_to_numpy(layer.kernel)[0, 0]) for layer in (model.a, model.b)
+    ]
+    assert weights == [1.5, 3.0]
+    assert (cases.iterations(model), int(model.b_optimizer.iterations)) == (1, 0)
+
+
 def test_config_and_saving_round_trip(tmp_path):
     model = one_weight(skip_bad_steps=kg.SkipBadSteps(spike_factor=4.0, window=7))
     assert model.get_config()["skip_bad_steps"] == {
