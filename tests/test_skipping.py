@@ -115,14 +115,18 @@ KERAS_OPTIMIZERS = {
     "adamax": lambda: keras.optimizers.Adamax(1e-2),
     "ftrl": lambda: keras.optimizers.Ftrl(1e-2),
     "lamb": lambda: keras.optimizers.Lamb(1e-2),
-    "muon": lambda: keras.optimizers.Muon(1e-2),
     "nadam": lambda: keras.optimizers.Nadam(1e-2),
-    "multi": lambda: _multi(),
-    "schedule_free": lambda: keras.optimizers.ScheduleFreeAdamW(1e-2),
     "lion": lambda: keras.optimizers.Lion(1e-2),
     "rmsprop": lambda: keras.optimizers.RMSprop(1e-2, momentum=0.5, centered=True),
     "sgd_clipped": lambda: keras.optimizers.SGD(1e-2, momentum=0.9, global_clipnorm=0.5),
 }
+# Newer than the oldest Keras tested (3.10): where this Keras has them.
+if hasattr(keras.optimizers, "Muon"):
+    KERAS_OPTIMIZERS["muon"] = lambda: keras.optimizers.Muon(1e-2)
+if hasattr(keras.optimizers, "ScheduleFreeAdamW"):
+    KERAS_OPTIMIZERS["schedule_free"] = lambda: keras.optimizers.ScheduleFreeAdamW(1e-2)
+if hasattr(keras.optimizers, "MultiOptimizer"):
+    KERAS_OPTIMIZERS["multi"] = lambda: _multi()
 
 
 def _multi():
@@ -178,13 +182,18 @@ def test_keras_optimizers_apply_as_plain_keras_and_skip_exactly(make, bad):
     assert skipped == plain
 
 
+@pytest.mark.backends(
+    "tensorflow",
+    reason="XLA's selected writes; JAX's jitted step is the test above's, and "
+    "PyTorch's update runs eagerly under torch.compile, beside the keeping",
+)
 @pytest.mark.parametrize("bad", ["nan", "spike"])
 @pytest.mark.parametrize("make", KERAS_OPTIMIZERS.values(), ids=KERAS_OPTIMIZERS)
-def test_keras_optimizers_skip_exactly_in_compiled_steps(make, bad):
-    """As above with `jit_compile=True` on every backend (XLA on TensorFlow
-    and JAX, `torch.compile` on PyTorch), against the same skipping model
-    fitted on the five good batches alone: both run the same compiled
-    step, and the bad step, skipped, changes no bit."""
+def test_keras_optimizers_skip_exactly_in_xla_steps(make, bad):
+    """As above under XLA (`jit_compile=True`), against the same skipping
+    model fitted on the five good batches alone (XLA rounds some updates
+    otherwise than plain Keras's XLA step): both run the same compiled
+    step, and the bad step, its writes selected, changes no bit."""
     rows, targets, skipping = _with_a_bad_batch(bad)
     options = {"skip_bad_steps": skipping}
     five, history = _fitted(kg.KeepGradModel, options, make, rows[:40], targets[:40], True)
