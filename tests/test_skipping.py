@@ -121,7 +121,10 @@ KERAS_OPTIMIZERS = {
     "sgd_clipped": lambda: keras.optimizers.SGD(1e-2, momentum=0.9, global_clipnorm=0.5),
 }
 # Newer than the oldest Keras tested (3.10): where this Keras has them.
-if hasattr(keras.optimizers, "Muon"):
+# Keras 3.10's Muon keys its moments by `variable.path`, and its TensorFlow
+# update hands it a `tf.Variable`, which has none: plain Keras fails there.
+_MUON_FAILS = keras.backend.backend() == "tensorflow" and keras.version().startswith("3.10.")
+if hasattr(keras.optimizers, "Muon") and not _MUON_FAILS:
     KERAS_OPTIMIZERS["muon"] = lambda: keras.optimizers.Muon(1e-2)
 if hasattr(keras.optimizers, "ScheduleFreeAdamW"):
     KERAS_OPTIMIZERS["schedule_free"] = lambda: keras.optimizers.ScheduleFreeAdamW(1e-2)
