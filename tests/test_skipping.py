@@ -299,22 +299,22 @@ class TwoOptimizers(kg.KeepGradModel):
     def call(self, x):
         return self.a(x[:, :1]) + self.b(x[:, 1:])
 
+    def _each_loss(self, x, y):
+        return [
+            keras.ops.mean((layer(x[:, i : i + 1]) - y) ** 2)
+            for i, layer in enumerate((self.a, self.b))
+        ]
+
     def train_step(self, data):
         x, y = data
         if keras.backend.backend() == "torch":
-            losses = [
-                keras.ops.mean((layer(x[:, i : i + 1]) - y) ** 2)
-                for i, layer in enumerate((self.a, self.b))
-            ]
+            losses = self._each_loss(x, y)
             self.zero_grad()
             (losses[0] + losses[1]).backward()
             grads = [[v.value.grad for v in layer.trainable_weights] for layer in (self.a, self.b)]
         else:
             with tf.GradientTape(persistent=True) as tape:
-                losses = [
-                    tf.reduce_mean((layer(x[:, i : i + 1]) - y) ** 2)
-                    for i, layer in enumerate((self.a, self.b))
-                ]
+                losses = self._each_loss(x, y)
             grads = [
                 tape.gradient(loss, layer.trainable_weights)
                 for loss, layer in zip(losses, (self.a, self.b))
