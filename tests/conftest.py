@@ -23,6 +23,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BACKEND = keras.backend.backend()
 
+if BACKEND == "torch":
+    import torch._dynamo  # noqa: E402
+
+    # Dynamo compiles Keras's step anew for each model, and after
+    # `recompile_limit` versions of its code (8) it runs the
+    # step eagerly, with only a logged warning. `clear_session()`, after
+    # each test, resets Dynamo; a "jit" test that compiles more models than
+    # that fails rather than testing the eager step in their place.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
 # The contract's tests: the same functions run on TensorFlow, JAX and
 # PyTorch (`test_backends.py` runs them under KERAS_BACKEND=jax and torch).
 # A test of what only one backend has carries
