@@ -90,8 +90,8 @@ class Step:
         self.claim(model.trainable_variables)
         # `{id: (variable, value before the step)}` of what the step's
         # updates so far could change (`remember`, which also asks whether
-        # the update runs as it is called); None where no `claim` can raise
-        # after an update ran.
+        # the update runs as it is called); None where no `claim` (or
+        # skipping's judgement, `put_back`) can raise after an update ran.
         self._before = None
         if not keeper.ran_a_step and getattr(type(model).train_step, "_own_step", False):
             self._before = {}
@@ -127,19 +127,26 @@ class Step:
         try:
             _checks.check_unique_paths(self.model, variables, self._owners)
         except ValueError:
-            for variable, value in (self._before or {}).values():
-                variable.assign(value)
+            self.put_back()
             raise
+
+    def put_back(self):
+        """Puts back what the step's updates so far changed, where they ran
+        as they were called (`remember`): call it before raising."""
+        for variable, value in (self._before or {}).values():
+            variable.assign(value)
 
     def remember(self, optimizer, variables):
         """Copies what `optimizer`'s update of `variables` can change, so
-        that a later `claim` that raises can put it back.
+        that a later `claim` that raises can put it back (`put_back`).
 
         Only in the first step of a model whose own `train_step` runs as
         it is called (eager PyTorch and TensorFlow), where an optimizer
         whose paths collide with another's is found at its own `apply`,
-        after the other's ran; not where the `apply` is traced (a
-        `tf.function` inside an eager step), which raises as it is traced.
+        after the other's ran, and a second `apply` that skipping with a
+        `spike_factor` refuses comes after the first one's update; not
+        where the `apply` is traced (a `tf.function` inside an eager step),
+        which raises as it is traced.
         Later steps are not copied (each step would pay for it). The
         copies are NumPy arrays in host memory, held for the step only, so
         that a model that fills its accelerator does not run out of

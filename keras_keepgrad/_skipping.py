@@ -316,6 +316,8 @@ class Guard:
         config = self.config
         self.judged += 1
         if config.spike_factor is not None and self.judged > 1:
+            # The first `apply` ran already where the step runs as called.
+            _capture.current_step().put_back()
             raise ValueError(
                 f"The training step of model {self.model.name!r} called an "
                 "optimizer's `apply` more than once, and `skip_bad_steps` "

@@ -205,7 +205,9 @@ def test_keras_optimizers_skip_exactly_in_xla_steps(make, bad):
     assert six == five
 
 
-@pytest.mark.backends("tensorflow", reason="a train_step written with tf.GradientTape")
+@pytest.mark.backends(
+    "tensorflow", "torch", reason="JAX's `stateless_apply` updates every trainable variable"
+)
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_an_update_of_some_variables_with_ema_skips_them_all(jit_compile):
     """An own step applies layer a's gradients only; the optimizer, built
@@ -217,10 +219,19 @@ def test_an_update_of_some_variables_with_ema_skips_them_all(jit_compile):
     class OnlyA(kg.KeepGradModel):
         def train_step(self, data):
             x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean((self(x) - y) ** 2)
             variables = self.get_layer("a").trainable_variables
-            self.optimizer.apply(tape.gradient(loss, variables), variables)
+            if keras.backend.backend() == "torch":
+                self.zero_grad()
+                # `train_on_batch` passes NumPy arrays on.
+                loss = keras.ops.mean((self(x) - keras.ops.convert_to_tensor(y)) ** 2)
+                loss.backward()
+                grads = [v.value.grad for v in variables]
+                loss = loss.detach()
+            else:
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean((self(x) - y) ** 2)
+                grads = tape.gradient(loss, variables)
+            self.optimizer.apply(grads, variables)
             return {"loss": loss}
 
     inputs = keras.Input((1,))
@@ -253,34 +264,73 @@ def test_several_replicas_of_another_strategy_than_mirrored_are_refused():
     assert float(np.asarray(model.get_layer("dense_0").kernel)[0, 0]) == 3.0
 
 
-@pytest.mark.backends("tensorflow", reason="a train_step written with tf.GradientTape")
-def test_a_spike_factor_needs_one_apply_per_step():
-    class TwoApplies(kg.KeepGradModel):
-        def train_step(self, data):
-            x, y = data
+class TwoApplies(kg.KeepGradModel):
+    """Layers a and b (w = 1 each, in a row), mse. Its own step applies
+    each variable's gradient in an `apply` of its own; on JAX, whose
+    `stateless_apply` takes every variable, it applies all the gradients
+    twice."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.a = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", name="a")
+        self.b = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", name="b")
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+    def train_step(self, *args):
+        backend = keras.backend.backend()
+        if backend == "jax":
+            return self._jax_step(*args)
+        ((x, y),) = args
+        if backend == "torch":
+            self.zero_grad()
+            loss = keras.ops.mean((self(x) - y) ** 2)
+            loss.backward()
+            grads = [v.value.grad for v in self.trainable_variables]
+            loss = loss.detach()
+        else:
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean((self(x) - y) ** 2)
             grads = tape.gradient(loss, self.trainable_variables)
-            for grad, variable in zip(grads, self.trainable_variables):
-                self.optimizer.apply([grad], [variable])
-            return {"loss": loss}
+        for grad, variable in zip(grads, self.trainable_variables):
+            self.optimizer.apply([grad], [variable])
+        return {"loss": loss}
 
-    inputs = keras.Input((1,))
-    hidden = keras.layers.Dense(1, use_bias=False, name="a")(inputs)
-    model = TwoApplies(
-        inputs,
-        keras.layers.Dense(1, use_bias=False, name="b")(hidden),
-        skip_bad_steps=kg.SkipBadSteps(spike_factor=10.0),
-    )
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    def _jax_step(self, state, data):
+        import jax
+
+        trainable, non_trainable, optimizer_values, metrics_values = state
+        x, y = data
+
+        def loss_of(trainable):
+            y_pred, _ = self.stateless_call(trainable, non_trainable, x)
+            return keras.ops.mean((y_pred - y) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_of)(trainable)
+        for _ in range(2):
+            trainable, optimizer_values = self.optimizer.stateless_apply(
+                optimizer_values, grads, trainable
+            )
+        return {"loss": loss}, (trainable, non_trainable, optimizer_values, metrics_values)
+
+
+def test_a_spike_factor_needs_one_apply_per_step(mode):
+    model = TwoApplies(skip_bad_steps=kg.SkipBadSteps(spike_factor=10.0))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
+    model(X)  # built
     # Each `apply` gets some of the variables: built for all first.
     model.optimizer.build(model.trainable_variables)
     with pytest.raises(ValueError, match=r"called an optimizer's `apply` more than once"):
         model.fit(X, Y, verbose=0)
+    # Refused before any update, or, in a step run as it is called, with
+    # the first `apply`'s (a = 1 - 0.1 * 5 = 0.5) put back: a, b = 1, 1.
+    assert [float(np.asarray(v)[0, 0]) for v in model.trainable_variables] == [1.0, 1.0]
     # Non-finite checks judge each `apply` alone.
     model.skip_bad_steps = True
-    history = model.fit(np.array([[np.nan], [2.0]], "float32"), Y, verbose=0)
+    history = model.fit(cases.NAN_X, Y, verbose=0)
     assert history.history["skipped_steps"] == [1.0]
+    assert [float(np.asarray(v)[0, 0]) for v in model.trainable_variables] == [1.0, 1.0]
 
 
 class TwoOptimizers(kg.KeepGradModel):
