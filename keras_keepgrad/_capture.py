@@ -90,8 +90,8 @@ class Step:
         self.claim(model.trainable_variables)
         # `{id: (variable, value before the step)}` of what the step's
         # updates so far could change (`remember`, which also asks whether
-        # the update runs as it is called); None where no `claim` (or
-        # skipping's judgement, `put_back`) can raise after an update ran.
+        # the update runs as it is called); None where nothing can raise
+        # after an update ran (`claim`, skipping's judgement: `put_back`).
         self._before = None
         if not keeper.ran_a_step and getattr(type(model).train_step, "_own_step", False):
             self._before = {}
@@ -143,10 +143,9 @@ class Step:
         Only in the first step of a model whose own `train_step` runs as
         it is called (eager PyTorch and TensorFlow), where an optimizer
         whose paths collide with another's is found at its own `apply`,
-        after the other's ran, and a second `apply` that skipping with a
-        `spike_factor` refuses comes after the first one's update; not
-        where the `apply` is traced (a `tf.function` inside an eager step),
-        which raises as it is traced.
+        after the other's ran (so is a second `apply` that skipping with a
+        `spike_factor` refuses); not where the `apply` is traced (a
+        `tf.function` inside an eager step), which raises as it is traced.
         Later steps are not copied (each step would pay for it). The
         copies are NumPy arrays in host memory, held for the step only, so
         that a model that fills its accelerator does not run out of
