@@ -349,7 +349,7 @@ def test_jit_compile_compiles_the_step_and_keeps_outside_it(monkeypatch):
     assert "grad_norm" not in model.evaluate(X, Y, verbose=0, return_dict=True)
 
 
-def test_a_compiled_test_fails_where_dynamo_would_stop_compiling():
+def test_a_jit_compile_test_fails_where_dynamo_would_stop_compiling():
     # Dynamo compiles a model's step twice (its first step, before the
     # gradients exist, and the next), as for a plain model, and stops at
     # `recompile_limit` (8) versions of Keras's step: a fifth model fitted
