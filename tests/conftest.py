@@ -345,6 +345,18 @@ def fit_once(model, optimizer=None, batches=1, **compile_kwargs):
     )
 
 
+def jax_mse_and_gradients(model, trainable, non_trainable, x, y):
+    """`(loss, grads)`: mean((model(x) - y)^2) and its gradients for the
+    `trainable` values, through `stateless_call`, as a JAX step takes them."""
+    import jax
+
+    def loss_of(trainable):
+        y_pred, _ = model.stateless_call(trainable, non_trainable, x)
+        return keras.ops.mean((y_pred - y) ** 2)
+
+    return jax.value_and_grad(loss_of)(trainable)
+
+
 def fit_batches(model, n, **fit_kwargs):
     """Fits `n` identical batches of `X`, `Y` in order; returns their `Recorder`."""
     rec = Recorder()

@@ -16,6 +16,7 @@ from conftest import W0
 from conftest import X
 from conftest import Y
 from conftest import dense_0
+from conftest import jax_mse_and_gradients
 from conftest import keras_histogram_tag
 from conftest import no_warning_on_jax
 from conftest import one_weight
@@ -1006,16 +1007,9 @@ class TwoOuts(kg.KeepGradModel):
                 variable.assign(variable - 0.1 * grad)
 
     def _jax_step(self, state, data):
-        import jax
-
         trainable, non_trainable, optimizer_vars, metrics_vars = state
         x, y = data
-
-        def loss_fn(trainable):
-            y_pred, _ = self.stateless_call(trainable, non_trainable, x)
-            return keras.ops.mean((y_pred - y) ** 2)
-
-        loss, grads = jax.value_and_grad(loss_fn)(trainable)
+        loss, grads = jax_mse_and_gradients(self, trainable, non_trainable, x, y)
         if self.update == "one":
             trainable, optimizer_vars = self.optimizer.stateless_apply(
                 optimizer_vars, grads, trainable

@@ -13,6 +13,7 @@ import tensorflow as tf
 from conftest import REPO
 from conftest import X
 from conftest import Y
+from conftest import jax_mse_and_gradients
 from conftest import one_weight
 
 import keras_keepgrad as kg
@@ -298,16 +299,8 @@ class TwoApplies(kg.KeepGradModel):
         return {"loss": loss}
 
     def _jax_step(self, state, data):
-        import jax
-
         trainable, non_trainable, optimizer_values, metrics_values = state
-        x, y = data
-
-        def loss_of(trainable):
-            y_pred, _ = self.stateless_call(trainable, non_trainable, x)
-            return keras.ops.mean((y_pred - y) ** 2)
-
-        loss, grads = jax.value_and_grad(loss_of)(trainable)
+        loss, grads = jax_mse_and_gradients(self, trainable, non_trainable, *data)
         for _ in range(2):
             trainable, optimizer_values = self.optimizer.stateless_apply(
                 optimizer_values, grads, trainable
