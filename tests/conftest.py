@@ -345,6 +345,26 @@ def fit_once(model, optimizer=None, batches=1, **compile_kwargs):
     )
 
 
+def mse_gradients(model, x, y, variables=None):
+    """`(loss, variables, grads)`: mean((model(x) - y)^2) and its gradients
+    for `variables` (the trainable ones by default), from a TensorFlow tape
+    or PyTorch's autograd: a stateful step's (JAX's steps are stateless:
+    `jax_mse_and_gradients`)."""
+    variables = model.trainable_variables if variables is None else variables
+    if keras.backend.backend() == "torch":
+        import torch
+
+        # `train_on_batch` hands the step NumPy targets.
+        loss = torch.mean((model(x) - keras.ops.convert_to_tensor(y)) ** 2)
+        grads = torch.autograd.grad(loss, [v.value for v in variables], allow_unused=True)
+        return loss.detach(), variables, list(grads)
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x) - y) ** 2)
+    return loss, variables, tape.gradient(loss, variables)
+
+
 def jax_mse_and_gradients(model, trainable, non_trainable, x, y):
     """`(loss, grads)`: mean((model(x) - y)^2) and its gradients for the
     `trainable` values, through `stateless_call`, as a JAX step takes them."""

@@ -18,6 +18,7 @@ from conftest import Y
 from conftest import dense_0
 from conftest import jax_mse_and_gradients
 from conftest import keras_histogram_tag
+from conftest import mse_gradients
 from conftest import no_warning_on_jax
 from conftest import one_weight
 
@@ -27,22 +28,6 @@ from keras_keepgrad import _compat
 
 def kernel(model, name="dense_0"):
     return float(model.gradients[name]["kernel"][0, 0])
-
-
-def mse_gradients(model, x, y, variables=None):
-    """`(loss, variables, grads)`: mean((model(x) - y)^2) and its gradients
-    for `variables` (the trainable ones by default), from a TensorFlow tape
-    or PyTorch's autograd: a stateful step's (JAX's steps are stateless)."""
-    variables = model.trainable_variables if variables is None else variables
-    if keras.backend.backend() == "torch":
-        import torch
-
-        loss = torch.mean((model(x) - y) ** 2)
-        grads = torch.autograd.grad(loss, [v.value for v in variables], allow_unused=True)
-        return loss.detach(), variables, list(grads)
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean((model(x) - y) ** 2)
-    return loss, variables, tape.gradient(loss, variables)
 
 
 def guide_metrics(model, loss, y, y_pred):

@@ -14,6 +14,7 @@ from conftest import REPO
 from conftest import X
 from conftest import Y
 from conftest import jax_mse_and_gradients
+from conftest import mse_gradients
 from conftest import one_weight
 
 import keras_keepgrad as kg
@@ -220,18 +221,9 @@ def test_an_update_of_some_variables_with_ema_skips_them_all(jit_compile):
     class OnlyA(kg.KeepGradModel):
         def train_step(self, data):
             x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
-            variables = self.get_layer("a").trainable_variables
-            if keras.backend.backend() == "torch":
-                self.zero_grad()
-                # `train_on_batch` passes NumPy arrays on.
-                loss = keras.ops.mean((self(x) - keras.ops.convert_to_tensor(y)) ** 2)
-                loss.backward()
-                grads = [v.value.grad for v in variables]
-                loss = loss.detach()
-            else:
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_mean((self(x) - y) ** 2)
-                grads = tape.gradient(loss, variables)
+            loss, variables, grads = mse_gradients(
+                self, x, y, self.get_layer("a").trainable_variables
+            )
             self.optimizer.apply(grads, variables)
             return {"loss": loss}
 
@@ -280,21 +272,11 @@ class TwoApplies(kg.KeepGradModel):
         return self.b(self.a(x))
 
     def train_step(self, *args):
-        backend = keras.backend.backend()
-        if backend == "jax":
+        if keras.backend.backend() == "jax":
             return self._jax_step(*args)
         ((x, y),) = args
-        if backend == "torch":
-            self.zero_grad()
-            loss = keras.ops.mean((self(x) - y) ** 2)
-            loss.backward()
-            grads = [v.value.grad for v in self.trainable_variables]
-            loss = loss.detach()
-        else:
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean((self(x) - y) ** 2)
-            grads = tape.gradient(loss, self.trainable_variables)
-        for grad, variable in zip(grads, self.trainable_variables):
+        loss, variables, grads = mse_gradients(self, x, y)
+        for grad, variable in zip(grads, variables):
             self.optimizer.apply([grad], [variable])
         return {"loss": loss}
 
