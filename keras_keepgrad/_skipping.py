@@ -31,6 +31,7 @@ from keras_keepgrad import _compat
 from keras_keepgrad import _evidence
 from keras_keepgrad import _ops
 from keras_keepgrad import _replicas
+from keras_keepgrad import _spikes
 from keras_keepgrad import _squares
 from keras_keepgrad import _torch_compile
 from keras_keepgrad import backend
@@ -341,27 +342,13 @@ class Guard:
                 lambda: ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads])),
             )
         bad = ops.logical_not(finite) if config.nonfinite else ops.convert_to_tensor(False)
+        a = _spikes.TENSORS
         if config.spike_factor is not None:
-            state = self.state
-            norm = ops.sqrt(ops.cast(ops.sum(squares), "float32"))
-            window = config.window
-            ordered = ops.sort(state["norms"])
-            median = (ordered[(window - 1) // 2] + ordered[window // 2]) / 2.0
-            spike = ops.logical_and(
-                ops.greater_equal(state["recorded"], float(window)),
-                ops.greater(norm, config.spike_factor * median),
+            a = _spikes.arithmetic()
+            spiked = _spikes.spike(
+                a, squares, finite, self.state, config.spike_factor, config.window
             )
-            bad = ops.logical_or(bad, spike)
-            # Every finite norm joins the window, that of a skipped spike too.
-            joins = ops.logical_and(finite, ops.isfinite(norm))
-            at = ops.equal(ops.arange(window, dtype="float32"), state["position"])
-            state["norms"] = ops.where(ops.logical_and(joins, at), norm, state["norms"])
-            state["position"] = ops.where(
-                joins, ops.mod(state["position"] + 1.0, float(window)), state["position"]
-            )
-            state["recorded"] = ops.where(
-                joins, ops.minimum(state["recorded"] + 1.0, float(window)), state["recorded"]
-            )
+            bad = a.logical_or(bad, spiked)
         self.bad = bad if self.bad is None else ops.logical_or(self.bad, bad)
         self.finite = finite if self.finite is None else ops.logical_and(self.finite, finite)
         if scale is not None and self.scale is None:
@@ -372,7 +359,7 @@ class Guard:
             self.scale_skipped = lowered if previous is None else ops.logical_or(previous, lowered)
             # It skips non-finite updates itself, and lowers its scale.
             return ops.logical_or(ops.logical_not(bad), ops.logical_not(finite))
-        return ops.logical_not(bad)
+        return a.logical_not(bad)
 
     def apply(self, optimizer, variables, kept, grads, apply):
         """Runs `apply()` (a stateful `apply` of `grads`) unless the update

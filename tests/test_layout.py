@@ -89,7 +89,7 @@ def test_no_import_cycles():
 # those below, never back up (the metrics never import the callbacks, the
 # backends never the metrics).
 LAYERS = [
-    ["_paths", "_compat", "_ops", "_checks", "_files", "_torch_compile"],
+    ["_paths", "_compat", "_ops", "_checks", "_files", "_torch_compile", "_spikes"],
     ["_squares", "_stats", "_capture", "_saving", "_replicas"],
     ["backend", "_evidence", "_skipping"],
     ["metrics"],

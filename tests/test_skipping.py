@@ -18,6 +18,7 @@ from conftest import mse_gradients
 from conftest import one_weight
 
 import keras_keepgrad as kg
+from keras_keepgrad import _spikes
 from keras_keepgrad.callbacks import _skipped
 
 CASES = [
@@ -368,6 +369,61 @@ def test_a_step_with_one_of_two_updates_skipped_counts_as_skipped():
     ]
     assert weights == [1.5, 3.0]
     assert (cases.iterations(model), int(model.b_optimizer.iterations)) == (1, 0)
+
+
+# `(squares, finite, norms, recorded, position, factor)`, window 4.
+SPIKE_RULE_CASES = {
+    # Median (2 + 2) / 2 = 2. The norm sqrt(4.84) and the bound 1.1 * 2 are
+    # both float32(2.2) = 2.2000000477: no spike. In float64 the bound would
+    # be 2.2 and the norm above it.
+    "at_the_float32_bound": ([4.84], True, [1.0, 2.0, 2.0, 3.0], 4.0, 0.0, 1.1),
+    # sqrt(4.9) = 2.2135944 > 2.2000000477: a spike, which joins the window.
+    "above_it": ([4.9], True, [1.0, 2.0, 2.0, 3.0], 4.0, 0.0, 1.1),
+    # 3 norms recorded of 4: no median yet, whatever the norm.
+    "window_not_full": ([1e6], True, [1.0, 1.0, 1.0, 0.0], 3.0, 3.0, 2.0),
+    # Non-finite gradients: the window is left as it was.
+    "not_finite": ([np.nan], False, [1.0, 2.0, 2.0, 3.0], 4.0, 2.0, 2.0),
+    # 3e38 + 3e38 overflows float32: the median and the bound are inf.
+    "median_overflows": ([1.0], True, [3e38, 3e38, 3e38, 3e38], 4.0, 1.0, 2.0),
+    # A finite step whose sum of squares overflows: its norm is inf, above
+    # every bound, and does not join the window.
+    "squares_overflow": ([3e38, 3e38], True, [1.0, 2.0, 2.0, 3.0], 4.0, 1.0, 2.0),
+}
+
+
+@pytest.mark.parametrize("name", SPIKE_RULE_CASES)
+def test_the_spike_rule_on_the_host_is_the_float32_one(name):
+    squares, finite, norms, recorded, position, factor = SPIKE_RULE_CASES[name]
+    results = []
+    for a in (_spikes.TENSORS, _spikes.HOST):
+        state = {
+            "norms": keras.ops.convert_to_tensor(np.array(norms, "float32")),
+            "recorded": keras.ops.convert_to_tensor(np.float32(recorded)),
+            "position": keras.ops.convert_to_tensor(np.float32(position)),
+        }
+        squares_tensor = keras.ops.convert_to_tensor(np.array(squares, "float32"))
+        finite_tensor = keras.ops.convert_to_tensor(finite)
+        spiked = _spikes.spike(a, squares_tensor, finite_tensor, state, factor, window=4)
+        results.append(
+            (bool(keras.ops.convert_to_numpy(spiked)),)
+            + tuple(
+                np.array(keras.ops.convert_to_numpy(state[n]), "float32").tolist()
+                for n in ("norms", "position", "recorded")
+            )
+        )
+    tensors, host = results
+    assert host == tensors
+    expected = {
+        "at_the_float32_bound": (False, [np.float32(2.2), 2.0, 2.0, 3.0], 1.0, 4.0),
+        "above_it": (True, [np.float32(np.sqrt(np.float32(4.9))), 2.0, 2.0, 3.0], 1.0, 4.0),
+        "window_not_full": (False, [1.0, 1.0, 1.0, 1000.0], 0.0, 4.0),
+        "not_finite": (False, [1.0, 2.0, 2.0, 3.0], 2.0, 4.0),
+        "median_overflows": (False, [3e38, 1.0, 3e38, 3e38], 2.0, 4.0),
+        "squares_overflow": (True, [1.0, 2.0, 2.0, 3.0], 1.0, 4.0),
+    }
+    spiked, norms_after, position_after, recorded_after = expected[name]
+    want = (spiked, np.array(norms_after, "float32").tolist(), position_after, recorded_after)
+    assert tensors == want
 
 
 def test_config_and_saving_round_trip(tmp_path):
