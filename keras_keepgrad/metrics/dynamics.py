@@ -104,6 +104,8 @@ def read(variable):
 def assign(variable, value):
     if _TENSORFLOW:
         variable.assign(value, read_value=False)
+    elif _compat.BACKEND == "torch":
+        _compat.torch_assign(variable, value)
     else:
         variable.assign(value)
 
@@ -113,7 +115,7 @@ def assign_add(variable, value):
         variable.assign_add(value, read_value=False)
     elif _compat.BACKEND == "torch":
         # One pass over the window's buffer, not Keras's two.
-        _compat.torch_assign_add(variable, value)
+        _compat.torch_assign(variable, value, add=True)
     else:
         variable.assign_add(value)
 

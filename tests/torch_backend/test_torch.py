@@ -814,3 +814,26 @@ def test_the_step_statistics_without_a_metric_are_computed_once_per_step(monkeyp
               callbacks=[kg.callbacks.GradientMonitor(), seen])  # fmt: skip
     assert calls == [2, 2, 2]
     assert [s[2] for s in seen.seen] == [[900.0, 506.25]] * 3
+
+
+def test_in_place_writes_check_the_shape_and_leave_a_stateless_scope_alone():
+    from keras_keepgrad import _compat
+
+    variable = keras.Variable(np.array([1.0, 2.0], "float32"), name="state")
+    _compat.torch_assign(variable, np.array([3.0, 4.0], "float32"))
+    _compat.torch_assign(variable, torch.tensor([0.5, 0.25]), add=True)
+    assert keras.ops.convert_to_numpy(variable).tolist() == [3.5, 4.25]
+    scalar = keras.Variable(np.float32(0.0), name="count")
+    _compat.torch_assign(scalar, 7.0)
+    assert float(keras.ops.convert_to_numpy(scalar)) == 7.0
+    # `copy_` would broadcast 1.0 into both entries: refused, as `assign` does.
+    with pytest.raises(ValueError, match=r"'state' must have its shape \(2,\)\. .*\(\)"):
+        _compat.torch_assign(variable, 1.0)
+    assert keras.ops.convert_to_numpy(variable).tolist() == [3.5, 4.25]
+    with keras.StatelessScope() as scope:
+        _compat.torch_assign(variable, np.array([9.0, 9.0], "float32"))
+        _compat.torch_assign(scalar, 1.0, add=True)
+    assert keras.ops.convert_to_numpy(variable).tolist() == [3.5, 4.25]
+    assert float(keras.ops.convert_to_numpy(scalar)) == 7.0
+    assert keras.ops.convert_to_numpy(scope.get_current_value(variable)).tolist() == [9.0, 9.0]
+    assert float(keras.ops.convert_to_numpy(scope.get_current_value(scalar))) == 8.0
