@@ -14,7 +14,14 @@ from keras import ops
 
 from keras_keepgrad import _compat
 
-__all__ = ["cond", "tf_ops"]
+__all__ = ["cond", "on_host", "tf_ops"]
+
+
+def on_host():
+    """Whether the step's bookkeeping runs eagerly, so that Python decides:
+    on PyTorch (also under `torch.compile`, `_torch_compile`), outside
+    Keras's symbolic tracing."""
+    return _compat.BACKEND == "torch" and not _compat.in_symbolic_build()
 
 
 def cond(pred, true_fn, false_fn):
@@ -25,7 +32,7 @@ def cond(pred, true_fn, false_fn):
     `Operation` on each call, about 40 µs more per call on a 2-core CPU,
     and the step's judgement and metrics call it every step.
     """
-    if _compat.BACKEND == "torch" and not _compat.in_symbolic_build():
+    if on_host():
         return true_fn() if bool(pred) else false_fn()
     return ops.cond(pred, true_fn, false_fn)
 

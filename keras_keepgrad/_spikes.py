@@ -21,7 +21,7 @@ import struct
 import numpy as np
 from keras import ops
 
-from keras_keepgrad import _compat
+from keras_keepgrad import _ops
 
 __all__ = ["HOST", "TENSORS", "arithmetic", "spike"]
 
@@ -59,11 +59,9 @@ def spike(a, squares, finite, state, factor, window):
 
 
 def arithmetic():
-    """`HOST` where the step's judgement runs eagerly on PyTorch (also
-    under `torch.compile`, `_torch_compile`), else `TENSORS`."""
-    if _compat.BACKEND == "torch" and not _compat.in_symbolic_build():
-        return HOST
-    return TENSORS
+    """`HOST` where the step's judgement runs eagerly (`_ops.on_host`),
+    else `TENSORS`."""
+    return HOST if _ops.on_host() else TENSORS
 
 
 def _put_tensor(norms, position, norm, joins):

@@ -3,7 +3,7 @@
 The keeping's one choice of backend: the rest of the package keeps through
 the names below, which are the running backend's. (Elsewhere the backend is
 tested only for a per-backend fast path or a TensorFlow-only feature: in
-`metrics/`, `_squares.py`, `_capture.py`, `_compat.py`, `_spikes.py` and
+`metrics/`, `_squares.py`, `_capture.py`, `_compat.py`, `_ops.py` and
 `_torch_compile.py`; `model.py` and `wrapping.py` never test it.)
 
 - `GradientKeeper`: the backend's `base.Keeper`.
