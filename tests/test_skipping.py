@@ -371,29 +371,48 @@ def test_a_step_with_one_of_two_updates_skipped_counts_as_skipped():
     assert (cases.iterations(model), int(model.b_optimizer.iterations)) == (1, 0)
 
 
-# `(squares, finite, norms, recorded, position, factor)`, window 4.
+# Window 4: `(squares, finite, norms, recorded, position, factor)`, then
+# what the rule gives: `(spiked, norms, position, recorded)` after it.
 SPIKE_RULE_CASES = {
     # Median (2 + 2) / 2 = 2. The norm sqrt(4.84) and the bound 1.1 * 2 are
     # both float32(2.2) = 2.2000000477: no spike. In float64 the bound would
     # be 2.2 and the norm above it.
-    "at_the_float32_bound": ([4.84], True, [1.0, 2.0, 2.0, 3.0], 4.0, 0.0, 1.1),
+    "at_the_float32_bound": (
+        ([4.84], True, [1.0, 2.0, 2.0, 3.0], 4.0, 0.0, 1.1),
+        (False, [np.float32(2.2), 2.0, 2.0, 3.0], 1.0, 4.0),
+    ),
     # sqrt(4.9) = 2.2135944 > 2.2000000477: a spike, which joins the window.
-    "above_it": ([4.9], True, [1.0, 2.0, 2.0, 3.0], 4.0, 0.0, 1.1),
+    "above_it": (
+        ([4.9], True, [1.0, 2.0, 2.0, 3.0], 4.0, 0.0, 1.1),
+        (True, [np.float32(np.sqrt(np.float32(4.9))), 2.0, 2.0, 3.0], 1.0, 4.0),
+    ),
     # 3 norms recorded of 4: no median yet, whatever the norm.
-    "window_not_full": ([1e6], True, [1.0, 1.0, 1.0, 0.0], 3.0, 3.0, 2.0),
+    "window_not_full": (
+        ([1e6], True, [1.0, 1.0, 1.0, 0.0], 3.0, 3.0, 2.0),
+        (False, [1.0, 1.0, 1.0, 1000.0], 0.0, 4.0),
+    ),
     # Non-finite gradients: the window is left as it was.
-    "not_finite": ([np.nan], False, [1.0, 2.0, 2.0, 3.0], 4.0, 2.0, 2.0),
+    "not_finite": (
+        ([np.nan], False, [1.0, 2.0, 2.0, 3.0], 4.0, 2.0, 2.0),
+        (False, [1.0, 2.0, 2.0, 3.0], 2.0, 4.0),
+    ),
     # 3e38 + 3e38 overflows float32: the median and the bound are inf.
-    "median_overflows": ([1.0], True, [3e38, 3e38, 3e38, 3e38], 4.0, 1.0, 2.0),
+    "median_overflows": (
+        ([1.0], True, [3e38, 3e38, 3e38, 3e38], 4.0, 1.0, 2.0),
+        (False, [3e38, 1.0, 3e38, 3e38], 2.0, 4.0),
+    ),
     # A finite step whose sum of squares overflows: its norm is inf, above
     # every bound, and does not join the window.
-    "squares_overflow": ([3e38, 3e38], True, [1.0, 2.0, 2.0, 3.0], 4.0, 1.0, 2.0),
+    "squares_overflow": (
+        ([3e38, 3e38], True, [1.0, 2.0, 2.0, 3.0], 4.0, 1.0, 2.0),
+        (True, [1.0, 2.0, 2.0, 3.0], 1.0, 4.0),
+    ),
 }
 
 
 @pytest.mark.parametrize("name", SPIKE_RULE_CASES)
 def test_the_spike_rule_on_the_host_is_the_float32_one(name):
-    squares, finite, norms, recorded, position, factor = SPIKE_RULE_CASES[name]
+    (squares, finite, norms, recorded, position, factor), expected = SPIKE_RULE_CASES[name]
     results = []
     for a in (_spikes.TENSORS, _spikes.HOST):
         state = {
@@ -413,15 +432,7 @@ def test_the_spike_rule_on_the_host_is_the_float32_one(name):
         )
     tensors, host = results
     assert host == tensors
-    expected = {
-        "at_the_float32_bound": (False, [np.float32(2.2), 2.0, 2.0, 3.0], 1.0, 4.0),
-        "above_it": (True, [np.float32(np.sqrt(np.float32(4.9))), 2.0, 2.0, 3.0], 1.0, 4.0),
-        "window_not_full": (False, [1.0, 1.0, 1.0, 1000.0], 0.0, 4.0),
-        "not_finite": (False, [1.0, 2.0, 2.0, 3.0], 2.0, 4.0),
-        "median_overflows": (False, [3e38, 1.0, 3e38, 3e38], 2.0, 4.0),
-        "squares_overflow": (True, [1.0, 2.0, 2.0, 3.0], 1.0, 4.0),
-    }
-    spiked, norms_after, position_after, recorded_after = expected[name]
+    spiked, norms_after, position_after, recorded_after = expected
     want = (spiked, np.array(norms_after, "float32").tolist(), position_after, recorded_after)
     assert tensors == want
 
