@@ -51,6 +51,7 @@ from keras_keepgrad.metrics.base import GradientMetric
 from keras_keepgrad.metrics.base import Holder
 from keras_keepgrad.metrics.base import as_float32
 from keras_keepgrad.metrics.base import group_by_layer
+from keras_keepgrad.metrics.base import write
 
 __all__ = [
     "DynamicsMetric",
@@ -104,20 +105,16 @@ def read(variable):
 def assign(variable, value):
     if _TENSORFLOW:
         variable.assign(value, read_value=False)
-    elif _compat.BACKEND == "torch":
-        _compat.torch_assign(variable, value)
     else:
-        variable.assign(value)
+        write(variable, value)
 
 
 def assign_add(variable, value):
     if _TENSORFLOW:
         variable.assign_add(value, read_value=False)
-    elif _compat.BACKEND == "torch":
-        # One pass over the window's buffer, not Keras's two.
-        _compat.torch_assign(variable, value, add=True)
     else:
-        variable.assign_add(value)
+        # On PyTorch one pass over the window's buffer, not Keras's two.
+        write(variable, value, add=True)
 
 
 def _replica_context():
