@@ -397,14 +397,17 @@ class Guard:
     def finish(self, result):
         """The step's result, with its skipping state and `skipped_steps`."""
         state = self.state
+        # On PyTorch in Python floats, as the spike rule (`_spikes`): the
+        # counts are whole numbers, exact in float32 and float64 alike.
+        a = _spikes.arithmetic()
         bad = ops.convert_to_tensor(False) if self.bad is None else self.bad
-        state["skipped"] = state["skipped"] + ops.cast(bad, "float32")
-        state["steps"] = state["steps"] + 1.0
+        state["skipped"] = a.add(a.read(state["skipped"]), a.count(bad))
+        state["steps"] = a.add(a.read(state["steps"]), 1.0)
         metric = self.model._skipped_metric
         # The recent norms change only where spikes are checked: no write else.
         names = metric.names if self.config.spike_factor is not None else ("skipped", "steps")
         if self.data is not None:
-            state["total"] = state["total"] + 1.0
+            state["total"] = a.add(a.read(state["total"]), 1.0)
             if "total" not in names:
                 names = (*names, "total")
             self._save_if(bad)
@@ -422,7 +425,7 @@ class Guard:
     def _save_if(self, bad):
         """Saves the step's evidence on the host where it was skipped."""
         tensors = dict(self.data)
-        tensors["step"] = self.state["total"]
+        tensors["step"] = ops.convert_to_tensor(self.state["total"], "float32")
         for path, grad in self.kept.items():
             tensors[f"grad/{path}"] = ops.cast(backend.densify(grad), "float32")
         if self.scale is not None:

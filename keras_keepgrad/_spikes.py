@@ -89,6 +89,7 @@ class TENSORS:
     isfinite = staticmethod(ops.isfinite)
     where = staticmethod(ops.where)
     put = staticmethod(_put_tensor)
+    count = staticmethod(lambda x: ops.cast(x, "float32"))
 
 
 def _f32(x):
@@ -147,3 +148,4 @@ class HOST:
     isfinite = staticmethod(math.isfinite)
     where = staticmethod(lambda condition, x, y: x if condition else y)
     put = staticmethod(_put_host)
+    count = staticmethod(lambda x: 1.0 if x else 0.0)

@@ -317,7 +317,10 @@ class Trainer(base.Trainer):
         return super().__getattr__(name)
 
     def _skip_state_out(self, result, pairs, logs):
-        # In place (`_compat.torch_assign`), 2 to 6 writes each step.
+        # In place (`_compat.torch_assign`), 2 to 6 writes each step. The
+        # counts come as Python floats (`_spikes.HOST`): logged as float32
+        # tensors, as on the other backends.
         for variable, value in pairs:
             _compat.torch_assign(variable, value)
+        logs = {key: torch.as_tensor(value, dtype=torch.float32) for key, value in logs.items()}
         return super()._skip_state_out(result, [], logs)

@@ -837,3 +837,47 @@ def test_in_place_writes_check_the_shape_and_leave_a_stateless_scope_alone():
     assert float(keras.ops.convert_to_numpy(scalar)) == 7.0
     assert keras.ops.convert_to_numpy(scope.get_current_value(variable)).tolist() == [9.0, 9.0]
     assert float(keras.ops.convert_to_numpy(scope.get_current_value(scalar))) == 8.0
+
+
+def test_metric_and_skipping_state_is_written_in_place_and_logged_as_float32(monkeypatch):
+    # Gradient metrics and `skip_bad_steps` write their state in place
+    # (`_compat.torch_assign`), not through Keras's `assign` methods (tens
+    # of µs a write in a step); the skipping counts, kept as Python floats
+    # in the step, are logged as float32 tensors, as on the other backends.
+    model = one_weight(skip_bad_steps=True)
+    norm = kg.metrics.GradientNorm()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=[norm])
+    seen = []
+    logged = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(logs))
+    model.fit(X, Y, batch_size=2, verbose=0, callbacks=[logged])
+    from keras_keepgrad import _capture
+
+    written = []  # the variables written with Keras's methods inside a step
+
+    def spying(method):
+        def spy(self, value):
+            if _capture.current_step() is not None:
+                written.append(self.path)
+            return method(self, value)
+
+        return spy
+
+    for name in ("assign", "assign_add"):
+        monkeypatch.setattr(keras.Variable, name, spying(getattr(keras.Variable, name)))
+    bad = np.array([[np.nan], [2.0]], "float32")
+    history = model.fit(bad, Y, batch_size=2, verbose=0, callbacks=[logged])
+    state = {v.path for v in norm.variables + model._skipped_metric.variables}
+    assert written and not state & set(written)
+    # d/dw mean((w x)^2) = 2 w (1 + 4) / 2 = 15 at w = 3 on the good batch.
+    assert [logs["grad_norm"] for logs in seen[:1]] == [15.0]
+    assert [logs["skipped_steps"] for logs in seen] == [0.0, 1.0]
+    assert history.history["skipped_steps"] == [1.0]
+    # The step's own logs, before `fit` makes Python numbers of them.
+    logs = model.train_function(
+        [(keras.ops.convert_to_tensor(bad), keras.ops.convert_to_tensor(Y))]
+    )
+    value = logs["skipped_steps"]
+    assert isinstance(value, torch.Tensor) and value.dtype == torch.float32
+    assert float(value) == 2.0
+    # 3 - 0.1 * 15 after the good step; the NaN steps were skipped.
+    assert keras.ops.convert_to_numpy(model.layers[-1].kernel).tolist() == [[1.5]]
