@@ -844,14 +844,14 @@ def test_metric_and_skipping_state_is_written_in_place_and_logged_as_float32(mon
     # (`_compat.torch_assign`), not through Keras's `assign` methods (tens
     # of µs a write in a step); the skipping counts, kept as Python floats
     # in the step, are logged as float32 tensors, as on the other backends.
+    from keras_keepgrad import _capture
+
     model = one_weight(skip_bad_steps=True)
     norm = kg.metrics.GradientNorm()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=[norm])
     seen = []
     logged = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(logs))
     model.fit(X, Y, batch_size=2, verbose=0, callbacks=[logged])
-    from keras_keepgrad import _capture
-
     written = []  # the variables written with Keras's methods inside a step
 
     def spying(method):
