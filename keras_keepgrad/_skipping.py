@@ -333,11 +333,12 @@ class Guard:
         # and the norm. A finite sum has only finite terms; a non-finite one
         # holds NaN or inf, or overflowed float32 (a norm above ~1.8e19),
         # and only then is every entry looked at.
-        squares = _squares.shared_squares(dict(enumerate(grads)))
+        by_index = dict(enumerate(grads))
+        squares = _squares.shared_squares(by_index)
         finite = ops.convert_to_tensor(True)
         if grads:
             finite = _ops.cond(
-                ops.all(ops.isfinite(squares)),
+                _squares.shared_finite(by_index),
                 lambda: ops.convert_to_tensor(True),
                 lambda: ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads])),
             )
@@ -359,6 +360,10 @@ class Guard:
             self.scale_skipped = lowered if previous is None else ops.logical_or(previous, lowered)
             # It skips non-finite updates itself, and lowers its scale.
             return ops.logical_or(ops.logical_not(bad), ops.logical_not(finite))
+        if config.spike_factor is None:
+            # `bad` is `not finite` (`nonfinite` is then set): one op less
+            # before the update.
+            return finite
         return a.logical_not(bad)
 
     def apply(self, optimizer, variables, kept, grads, apply):

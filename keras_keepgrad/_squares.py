@@ -49,6 +49,7 @@ __all__ = [
     "group_squares",
     "layer_of",
     "layer_squares",
+    "shared_finite",
     "shared_squares",
     "sum_squares",
     "total_squares",
@@ -63,12 +64,16 @@ _TENSORFLOW = _compat.BACKEND == "tensorflow"
 def _squares(grad, dtype):
     # TensorFlow: `l2_loss` (sum of squares / 2) is one fused kernel, no
     # squared copy: about 2.5x faster on CPU than `reduce_sum(square(t))`.
+    return 2.0 * tf.nn.l2_loss(tf.cast(_dense_rows(grad), dtype))
+
+
+def _dense_rows(grad):
     if isinstance(grad, tf.IndexedSlices):
         # Duplicate rows add up before squaring, as in the dense gradient.
         grad = tf.math.unsorted_segment_sum(
             grad.values, grad.indices, num_segments=grad.dense_shape[0]
         )
-    return 2.0 * tf.nn.l2_loss(tf.cast(grad, dtype))
+    return grad
 
 
 def sum_squares(grads, exact=True):
@@ -83,12 +88,7 @@ def sum_squares(grads, exact=True):
     """
     if not grads:
         return tf.zeros((0,), tf.float64)
-    fast = tf.stack(
-        [
-            tf.cast(_squares(g, tf.float64 if g.dtype == tf.float64 else tf.float32), tf.float64)
-            for g in grads
-        ]
-    )
+    fast = _stacked(_halves(grads))
     if not exact:
         return fast
     return tf.cond(
@@ -152,8 +152,10 @@ def shared_squares(grads_by_path):
             squares = latest[1]()
             if squares is not None:
                 return squares
+    halves = None
     if _TENSORFLOW:
-        squares = sum_squares(list(tensors), exact=False)
+        halves = _halves(tensors)
+        squares = _stacked(halves) if halves else tf.zeros((0,), tf.float64)
         # Weakly held: the cache keeps no traced graph alive.
         held = weakref.ref(squares)
     else:
@@ -162,8 +164,40 @@ def shared_squares(grads_by_path):
         squares = _float32_sums(tensors)
         held = lambda: squares  # noqa: E731
     # The gradients weakly: the cache keeps no step's gradients alive.
-    _latest.value = ([weakref.ref(t) for t in tensors], held)
+    halves = None if halves is None else [weakref.ref(h) for h in halves]
+    _latest.value = ([weakref.ref(t) for t in tensors], held, halves)
     return squares
+
+
+def _halves(grads):
+    """Each gradient's `l2_loss` (half its sum of squares): float32, or
+    float64 for a float64 gradient."""
+    return [
+        tf.nn.l2_loss(tf.cast(_dense_rows(g), tf.float64 if g.dtype == tf.float64 else tf.float32))
+        for g in grads
+    ]
+
+
+def _stacked(halves):
+    return tf.stack([tf.cast(2.0 * h, tf.float64) for h in halves])
+
+
+def shared_finite(grads_by_path):
+    """Bool scalar: whether the step's sums of squares (`shared_squares`)
+    add up finite. Where not, a gradient holds a NaN or an infinity, or a
+    float32 sum overflowed: readers look at the entries then.
+
+    On TensorFlow the sum of the `l2_loss`es themselves, which the step's
+    gradient metrics share: fewer ops before it than the stacked float64
+    sums (a skip's update waits for it).
+    """
+    squares = shared_squares(grads_by_path)
+    halves = [h() for h in _latest.value[2]] if _TENSORFLOW else []
+    if halves and all(h is not None for h in halves):
+        if any(h.dtype != tf.float32 for h in halves):
+            halves = [tf.cast(h, tf.float64) for h in halves]
+        return tf.math.is_finite(tf.add_n(halves))
+    return ops.all(ops.isfinite(squares))
 
 
 def layer_squares(grads, squares):

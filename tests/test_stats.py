@@ -189,6 +189,41 @@ def test_metrics_and_statistics_share_one_computation():
     assert ref() is None
 
 
+@pytest.mark.parametrize(
+    "values, finite",
+    [
+        ([[3.0, 4.0], [12.0]], True),  # 25 + 144
+        ([[3.0, 4.0], [np.nan]], False),
+        ([[3.0, 4.0], [-np.inf]], False),
+        # 2e19 squared is 4e38, beyond float32's 3.4e38: read as not finite
+        # (readers look at the entries then).
+        ([[2e19], [1.0]], False),
+    ],
+)
+def test_shared_finite_is_whether_the_sums_of_squares_add_up_finite(values, finite):
+    grads = {
+        f"v{i}": keras.ops.convert_to_tensor(np.array(v, "float32")) for i, v in enumerate(values)
+    }
+    assert bool(keras.ops.convert_to_numpy(_squares.shared_finite(grads))) is finite
+
+
+@TF_ARITHMETIC
+def test_shared_finite_sums_the_shared_l2_losses():
+    @tf.function(autograph=False)
+    def step(a, b):
+        grads = {"a": a, "b": b}
+        squares = _squares.shared_squares(grads)
+        return squares, _squares.shared_finite(grads)
+
+    a, b = tf.constant([3.0, 4.0]), tf.constant([12.0])
+    graph = step.get_concrete_function(a, b).graph
+    # One `l2_loss` per gradient, read by the float64 sums and the check.
+    assert [op.type for op in graph.get_operations()].count("L2Loss") == 2
+    squares, finite = step(a, b)
+    assert squares.numpy().tolist() == [25.0, 144.0]
+    assert bool(finite)
+
+
 def test_an_overflowing_sum_is_not_taken_for_nan(tmp_path):
     # x = [[1e10], [2e10]]: dL/dw = w * (1e20 + 4e20) = 1.5e21 at w = 3,
     # finite in float32, but its square (2.25e42) overflows float32: the
