@@ -140,7 +140,14 @@ SKIPPING_FLOOR = "kept_pass"
 # graph would otherwise overlap the update with the pass, this is the
 # least such a skip costs.
 WAITING_FLOOR = "kept_wait"
-SKIPPING_FLOORS = (WAITING_FLOOR, SKIPPING_FLOOR, "kept")
+# TensorFlow without XLA, one device: `kept_wait` with each write of the
+# update in a `tf.cond` on the judgement, as the skip's (the branch always
+# taken: the update is `kept`'s). An exact skip there must make each write
+# conditional: a selection per write is another pass over each variable,
+# a branch around the whole update makes all of it wait, and a `Switch`
+# per write measured within noise of a `tf.cond`.
+GUARDED_FLOOR = "kept_guard"
+SKIPPING_FLOORS = (GUARDED_FLOOR, WAITING_FLOOR, SKIPPING_FLOOR, "kept")
 # Keeping under Keras's own skipping of non-finite steps: a float32
 # `LossScaleOptimizer(Adam)` (its finite check and its branch around the
 # update, plus scaling the loss and unscaling the gradients).
@@ -168,6 +175,13 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
             raise ValueError(f"Variant {variant!r} is timed on TensorFlow only.")
         cls = kg.KeepGradModel
         optimizer = _waiting(OPTIMIZERS[optimizer], jit_compile)(1e-4)
+    elif variant == GUARDED_FLOOR:
+        if backend != "tensorflow" or jit_compile is True or _several_replicas():
+            raise ValueError(
+                f"Variant {variant!r} is timed on TensorFlow without XLA on one device only."
+            )
+        cls = kg.KeepGradModel
+        optimizer = _waiting(OPTIMIZERS[optimizer], False, guarded=True)(1e-4)
     elif variant == KERAS_SKIPPING:
         cls = kg.KeepGradModel
         optimizer = keras.optimizers.LossScaleOptimizer(OPTIMIZERS[optimizer](1e-4))
@@ -178,7 +192,8 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
     elif variant in ("hand", "floor"):
         cls = _tf_models()[variant]
     elif variant not in ("plain", "control", "recompute"):
-        expected = KEEPING + SKIPPING + (SKIPPING_FLOOR, WAITING_FLOOR, KERAS_SKIPPING)
+        expected = KEEPING + SKIPPING + (SKIPPING_FLOOR, WAITING_FLOOR, GUARDED_FLOOR)
+        expected += (KERAS_SKIPPING,)
         raise ValueError(f"Unknown variant: {variant!r}. Expected one of {expected}.")
     model = compiled(
         spec, cls, weights, metrics, jit_compile=jit_compile, optimizer=optimizer, **kw
@@ -188,6 +203,12 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
     if variant == "recompute":
         callback = _recompute_callback(spec, jit_compile)
     return model, callback
+
+
+def _several_replicas():
+    import tensorflow as tf
+
+    return tf.distribute.get_strategy().num_replicas_in_sync > 1
 
 
 def _tf_models():
@@ -245,13 +266,15 @@ def _tf_models():
     return {"hand": HandKeptModel, "floor": FloorModel}
 
 
-def _waiting(optimizer_class, jit_compile):
+def _waiting(optimizer_class, jit_compile, guarded=False):
     """`optimizer_class`, whose update waits for the gradients' global sum
     of squares to be judged finite, and then runs whatever it found.
 
     What waits is what waits in an exact skip: under XLA and under a
     strategy of several replicas, the whole update (the skip selects, or
     branches where the replicas meet); else each of the update's writes.
+    With `guarded` (one device, no XLA) each of those writes also runs in
+    a `tf.cond` of its own on the judgement, as the skip's do.
     """
     import tensorflow as tf
 
@@ -294,17 +317,29 @@ def _waiting(optimizer_class, jit_compile):
         _judgement = None
         _flag = None
 
+        _run = None  # with `guarded`: the judgement each write is in a branch on
+
+        def _guarded(self, write):
+            if self._run is None:
+                return write()
+
+            def written():
+                write()
+                return tf.constant(True)
+
+            tf.cond(self._run, written, lambda: tf.constant(False))
+
         def assign(self, variable, value):
             with self._waiting():
-                return super().assign(variable, value)
+                return self._guarded(lambda: super(Waiting, self).assign(variable, value))
 
         def assign_add(self, variable, value):
             with self._waiting():
-                return super().assign_add(variable, value)
+                return self._guarded(lambda: super(Waiting, self).assign_add(variable, value))
 
         def assign_sub(self, variable, value):
             with self._waiting():
-                return super().assign_sub(variable, value)
+                return self._guarded(lambda: super(Waiting, self).assign_sub(variable, value))
 
         def _waiting(self):
             return tf.control_dependencies([] if self._judgement is None else [self._judgement])
@@ -331,6 +366,13 @@ def _waiting(optimizer_class, jit_compile):
                 return super()._backend_apply_gradients(grads, trainable_variables)
             # Only the writes wait, as the skip's guarded writes do: the
             # update's arithmetic overlaps the judgement's pass.
+            if guarded:
+                # The branch makes each write wait: no flag needed.
+                self._run = judgement
+                try:
+                    return super()._backend_apply_gradients(grads, trainable_variables)
+                finally:
+                    self._run = None
             if self._flag is None:
                 with tf.init_scope():
                     self._flag = tf.Variable(False, trainable=False)

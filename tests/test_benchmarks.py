@@ -79,17 +79,40 @@ def test_keeping_smoke_writes_every_promised_number(tmp_path):
 
 
 @pytest.mark.slow
-def test_skipping_is_judged_against_keeping_plus_a_judgement_the_update_waits_for(tmp_path):
+@pytest.mark.parametrize("floor", ["kept_wait", "kept_guard"])
+def test_skipping_is_judged_against_keeping_plus_a_judgement_the_update_waits_for(tmp_path, floor):
     variants = ["kept", "kept_pass", "kept_wait", "kept_lso", "skip", "skip_spike"]
+    if floor == "kept_guard":
+        variants.insert(3, floor)
     args = ("keeping", "--smoke", "--models", "mlp_1m", "--variants", *variants)
     _, result = run_benchmark(tmp_path, *args)
     (config,) = result["configs"]
     assert list(config["step_ms"]) == ["plain", "control", *variants]
     for variant in ("skip", "skip_spike"):
-        assert f"{variant} - kept_wait" in config["wall"]["pairs"]
+        assert f"{variant} - {floor}" in config["wall"]["pairs"]
         verdict = config["verdicts"][variant]
-        expected = (0.02, "kept_wait", 0.0)
+        expected = (0.02, floor, 0.0)
         assert (verdict["target"], verdict["floor"], verdict["tolerance"]) == expected
+
+
+@pytest.mark.backends("tensorflow", reason="kept_guard is a TensorFlow graph floor")
+def test_the_guarded_floor_updates_as_keeping_does_and_runs_only_without_xla():
+    models = load_benchmark("models")
+    spec = models.SMOKE_MODELS["mlp_1m"]
+    weights = _run().initial_weights(spec)
+    x, y = models.batch_of(spec, spec.batch_size * 2)
+    found = {}
+    for variant in ("kept", "kept_guard"):
+        model, _ = models.keeping_model(variant, spec, weights, False, "adam")
+        model.fit(x, y, batch_size=spec.batch_size, shuffle=False, verbose=0)
+        found[variant] = [
+            np.asarray(v) for v in model.trainable_variables + model.optimizer.variables
+        ]
+    # Its branches are always taken: bit for bit the same two Adam steps.
+    assert all(np.array_equal(a, b) for a, b in zip(found["kept"], found["kept_guard"]))
+    assert len(found["kept"]) == len(found["kept_guard"])
+    with pytest.raises(ValueError, match="without XLA on one device only"):
+        models.keeping_model("kept_guard", spec, weights, True, "adam")
 
 
 @pytest.mark.slow
