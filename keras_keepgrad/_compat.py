@@ -188,7 +188,7 @@ __all__ = [
     "tensorflow_version",
     "torch_assign",
     "replace_metric_variable",
-    "untrack_metric",
+    "set_metric",
     "untrack_metric_variables",
 ]
 
@@ -208,12 +208,11 @@ def functional_structure(model):
     """`(inputs, outputs)` of a functional or Sequential model, nested as built.
 
     `model.inputs` / `model.outputs` are flat lists: a model rebuilt from
-    them would take and return lists where `model` takes and returns one
-    tensor or a dict (so `predict` and a dict `loss` would change shape).
-    Keras keeps the nesting only in the private `_inputs_struct` /
-    `_outputs_struct`; a Sequential model holds them on its `_functional`,
-    which it makes once its input shape is known. Returns `(None, None)`
-    for a Sequential model that has none yet.
+    them would take and return lists where `model` takes one tensor or a
+    dict (`predict` and a dict `loss` would change shape). Keras keeps the
+    nesting only in the private `_inputs_struct` / `_outputs_struct` (of a
+    Sequential model's `_functional`, made once its input shape is known:
+    `(None, None)` before).
     """
     graph = model._functional if isinstance(model, keras.Sequential) else model
     if graph is None:
@@ -222,12 +221,9 @@ def functional_structure(model):
 
 
 def compile_arguments(model):
-    """The arguments `model.compile(...)` was called with, as given.
-
-    Keras 3.15 keeps them, unserialized, in `model._compile_config.config`
-    (`get_compile_config()` returns them serialized, which would rebuild the
-    optimizer and lose its state).
-    """
+    """The arguments `model.compile(...)` was called with, as given: Keras
+    3.15 keeps them in `model._compile_config.config` (`get_compile_config()`
+    serializes them, which would rebuild the optimizer and lose its state)."""
     return dict(model._compile_config.config)
 
 
@@ -259,14 +255,10 @@ def data_spec_from_epoch_iterator(epoch_iterator):
 
 
 def in_symbolic_build():
-    """Whether Keras is tracing with symbolic tensors, not running a step.
-
-    Keras 3.15's `Trainer._symbolic_build` calls `compute_metrics` once
-    under `compute_output_spec` (a stateless, symbolic scope) to create the
-    metrics' state before training; no public API tells that apart. The
-    symbolic scope alone: Keras's JAX step runs the real metrics in a
-    stateless scope too.
-    """
+    """Whether Keras is tracing with symbolic tensors, not running a step:
+    Keras 3.15's `Trainer._symbolic_build` calls `compute_metrics` once in a
+    symbolic scope to create the metrics' state; no public API tells. (Not
+    any stateless scope: Keras's JAX step runs the real metrics in one.)"""
     return in_symbolic_scope()
 
 
@@ -301,13 +293,20 @@ def tf_optimizer_class():
     return TFOptimizer
 
 
-def untrack_metric(layer, metric):
-    """Removes `metric`, held in an attribute of `layer`, from `layer.metrics`.
+def set_metric(layer, name, metric):
+    """Sets `layer.<name>` to `metric` (or None), in place of the metric it held.
 
-    Keras 3.15's `Layer.__delattr__` untracks variables only: a metric
-    stays in the private `_tracker`'s store that `layer.metrics` lists.
+    Keras 3.15's `Layer.__delattr__` untracks variables only (a metric stays
+    in the private `_tracker`'s store that `layer.metrics` lists), and it
+    locks a subclassed model's `_tracker` once built (`quantize` unlocks it).
     """
-    layer._tracker.untrack(metric)
+    tracker = layer._tracker
+    tracker.untrack(getattr(layer, name, None))  # None is in no store
+    locked, tracker.locked = tracker.locked, False
+    try:
+        setattr(layer, name, metric)
+    finally:
+        tracker.locked = locked  # its message kept
 
 
 def replace_metric_variable(metric, old, new):

@@ -58,7 +58,10 @@ class SkipBadSteps:
     the last `window` steps. The median is only consulted once `window`
     finite norms were seen; every step with a finite norm, skipped or not,
     joins them (so a lasting change of scale is followed, after about
-    `window / 2` steps, rather than skipped forever).
+    `window / 2` steps, rather than skipped forever). A step of your own
+    that makes several optimizer updates (a GAN's discriminator's, then
+    its generator's) declares how many (`updates_per_step`): each update
+    is then judged against the norms of the same update in recent steps.
 
     On a bad step the optimizer's update does not run: the weights and
     the optimizer's variables (moments, iteration count) are left exactly
@@ -105,13 +108,21 @@ class SkipBadSteps:
         skip: Bool. Skip the update of a bad step (True), or only flag
             it (False: counted as `flagged_steps` and saved, its update
             applied). Defaults to `True`.
+        updates_per_step: Int, at least 1. How many optimizer updates
+            (`apply` calls) the training step makes at most. With a
+            `spike_factor`, the k-th update of a step is judged against
+            the norms of the k-th updates of the last `window` steps that
+            made one (a window each); a step that makes more raises.
+            Without one, every update is judged on its own anyway.
+            Defaults to `1`.
 
     Raises:
         TypeError: `nonfinite` or `skip` is not a bool.
         ValueError: `spike_factor` is not a finite number above 1 (or
-            None), `window` or `max_saved` is not a positive int, nothing
-            is checked (`nonfinite=False` and `spike_factor=None`), or
-            `save_batches_to` is not a writable directory.
+            None), `window`, `max_saved` or `updates_per_step` is not a
+            positive int, nothing is checked (`nonfinite=False` and
+            `spike_factor=None`), or `save_batches_to` is not a writable
+            directory.
     """
 
     def __init__(
@@ -122,12 +133,14 @@ class SkipBadSteps:
         save_batches_to: str | os.PathLike | None = None,
         max_saved: int = 10,
         skip: bool = True,
+        updates_per_step: int = 1,
     ) -> None:
         self.nonfinite = _checks.check_bool("nonfinite", nonfinite)
         self.skip = _checks.check_bool("skip", skip)
         self.spike_factor = _checks.check_positive_float("spike_factor", spike_factor, above=1.0)
         self.window = _checks.check_positive_int("window", window)
         self.max_saved = _checks.check_positive_int("max_saved", max_saved)
+        self.updates_per_step = _checks.check_positive_int("updates_per_step", updates_per_step)
         if save_batches_to is not None:
             if not isinstance(save_batches_to, (str, os.PathLike)):
                 raise TypeError(
@@ -154,9 +167,11 @@ class SkipBadSteps:
         }
         if self.save_batches_to is not None:
             config.update(save_batches_to=self.save_batches_to, max_saved=self.max_saved)
+        # Each only when set: the configs saved before they existed stay equal.
         if not self.skip:
-            # Only when set: the configs saved before it existed stay equal.
             config["skip"] = False
+        if self.updates_per_step != 1:
+            config["updates_per_step"] = self.updates_per_step
         return config
 
     @property
@@ -199,19 +214,23 @@ class SkippedSteps(keras.metrics.Metric):
 
     Logged as `skipped_steps` in training only (absent from `evaluate()`
     and the `val_` logs). `reset_state` (each epoch) resets the count, not
-    the recent norms.
+    the recent norms. With several `updates` per step, a window of norms
+    each: `norms` `[updates, window]`, `recorded` and `position`
+    `[updates]` (one update: `[window]`, and scalars).
     """
 
-    def __init__(self, window, counts_steps=False, name=LOG_KEY):
+    def __init__(self, window, counts_steps=False, name=LOG_KEY, updates=1):
         super().__init__(name=name, dtype="float32")
         self.window = window
         self.counts_steps = counts_steps
+        self.updates = updates
         self.skipped = self._state((), "skipped")
         # Training steps since the last reset: nothing is logged before one.
         self.steps = self._state((), "steps")
-        self.norms = self._state((window,), "norms")
-        self.recorded = self._state((), "recorded")
-        self.position = self._state((), "position")
+        each = () if updates == 1 else (updates,)
+        self.norms = self._state((*each, window), "norms")
+        self.recorded = self._state(each, "recorded")
+        self.position = self._state(each, "position")
         self.names = ("skipped", "steps", "norms", "recorded", "position")
         if counts_steps:
             # Where batches are saved: the step number, never reset.
@@ -247,7 +266,10 @@ class SkippedSteps(keras.metrics.Metric):
     result = _torch_compile.eager(result)
 
     def get_config(self):
-        return {"name": self.name, "window": self.window}
+        config = {"name": self.name, "window": self.window}
+        if self.updates != 1:
+            config["updates"] = self.updates
+        return config
 
 
 def check_allowed(model):
@@ -316,16 +338,22 @@ class Guard:
         """Whether to run the update of `kept`; records the step's badness."""
         config = self.config
         self.judged += 1
-        if config.spike_factor is not None and self.judged > 1:
-            # The first `apply` ran already where the step runs as called.
+        most = config.updates_per_step
+        if config.spike_factor is not None and self.judged > most:
+            # The first `apply`s ran already where the step runs as called.
             _capture.current_step().put_back()
+            times = "once" if most == 1 else f"{most} times"
             raise ValueError(
                 f"The training step of model {self.model.name!r} called an "
-                "optimizer's `apply` more than once, and `skip_bad_steps` "
-                "with a `spike_factor` compares one global gradient norm per "
-                "step with those of recent steps. Apply all gradients in "
-                "one call, or use `SkipBadSteps(spike_factor=None)` (each "
-                "update is then skipped on non-finite gradients of its own)."
+                f"optimizer's `apply` more than {times}, and `skip_bad_steps` "
+                "with a `spike_factor` compares the global gradient norm of "
+                "each update of a step with those of the same update in "
+                f"recent steps: it has windows for {most} "
+                f"(`updates_per_step={most}`). Pass `SkipBadSteps(..., "
+                "updates_per_step=N)` with N the number of `apply` calls "
+                "of one step, apply all gradients in one call, or use "
+                "`spike_factor=None` (each update is then skipped on "
+                "non-finite gradients of its own)."
             )
         grads = [ops.cast(backend.densify(g), "float32") for g in kept]
         # Each gradient's sum of squares, shared with the step's statistics
@@ -346,8 +374,10 @@ class Guard:
         a = _spikes.TENSORS
         if config.spike_factor is not None:
             a = _spikes.arithmetic()
+            # With several updates a step, the k-th's own window.
+            row = None if most == 1 else self.judged - 1
             spiked = _spikes.spike(
-                a, squares, finite, self.state, config.spike_factor, config.window
+                a, squares, finite, self.state, config.spike_factor, config.window, row
             )
             bad = a.logical_or(bad, spiked)
         self.bad = bad if self.bad is None else ops.logical_or(self.bad, bad)

@@ -26,8 +26,12 @@ from keras_keepgrad import _ops
 __all__ = ["HOST", "TENSORS", "arithmetic", "spike"]
 
 
-def spike(a, squares, finite, state, factor, window):
-    """Whether a step spikes, in arithmetic `a`; updates `state`.
+_WINDOW = ("norms", "recorded", "position")
+
+
+def spike(a, squares, finite, state, factor, window, row=None):
+    """Whether a step (or one of its updates) spikes, in arithmetic `a`;
+    updates `state`.
 
     Its global norm is the square root of the sum of `squares` (each kept
     gradient's sum of squares). It spikes where it is above `factor` times
@@ -42,10 +46,21 @@ def spike(a, squares, finite, state, factor, window):
         state: `{"norms", "recorded", "position"}` tensors as the step
             begins; replaced by their values after it, in `a`'s kind.
         factor: Float above 1.
-        window: Int, the length of `state["norms"]`.
+        window: Int, the length of `state["norms"]`'s rows.
+        row: None, or an int: the state holds a window for each of a
+            step's updates (`norms` `[updates, window]`, `recorded` and
+            `position` `[updates]`), and row `row`'s is consulted and
+            updated; the others are left as they were.
     """
+    if row is not None:
+        full = {n: a.read(state[n]) for n in _WINDOW}
+        own = {n: a.row(full[n], row) for n in _WINDOW}
+        spiked = spike(a, squares, finite, own, factor, window)
+        for n in _WINDOW:
+            state[n] = a.put_row(full[n], row, own[n])
+        return spiked
     norm = a.sqrt(a.total(squares))
-    norms, recorded, position = (a.read(state[n]) for n in ("norms", "recorded", "position"))
+    norms, recorded, position = (a.read(state[n]) for n in _WINDOW)
     ordered = a.sort(norms)
     median = a.div(a.add(ordered[(window - 1) // 2], ordered[window // 2]), 2.0)
     spiked = a.logical_and(
@@ -69,6 +84,13 @@ def _put_tensor(norms, position, norm, joins):
     return ops.where(ops.logical_and(joins, at), norm, norms)
 
 
+def _put_row_tensor(values, row, value):
+    at = ops.equal(ops.arange(ops.shape(values)[0]), row)
+    if len(values.shape) > 1:
+        at = ops.expand_dims(at, 1)
+    return ops.where(at, value, values)
+
+
 class TENSORS:
     """Keras ops: traced, or eager."""
 
@@ -89,6 +111,8 @@ class TENSORS:
     isfinite = staticmethod(ops.isfinite)
     where = staticmethod(ops.where)
     put = staticmethod(_put_tensor)
+    row = staticmethod(lambda values, row: values[row])
+    put_row = staticmethod(_put_row_tensor)
     count = staticmethod(lambda x: ops.cast(x, "float32"))
 
 
@@ -107,6 +131,8 @@ def _host_list(x):
 
 def _read_host(x):
     # A scalar by `float` (a bool as 0.0 or 1.0); the window as a list.
+    if isinstance(x, (float, list)):
+        return x  # read already (a row of a window for each update)
     return float(x) if not len(x.shape) else _host_list(x)
 
 
@@ -123,6 +149,13 @@ def _put_host(norms, position, norm, joins):
     if joins:
         norms[int(position)] = norm
     return norms
+
+
+def _put_row_host(values, row, value):
+    # A NumPy array, as `_put_host`'s: read again by a later update's rule.
+    values = np.array(values, "float32")
+    values[row] = value
+    return values
 
 
 class HOST:
@@ -148,4 +181,6 @@ class HOST:
     isfinite = staticmethod(math.isfinite)
     where = staticmethod(lambda condition, x, y: x if condition else y)
     put = staticmethod(_put_host)
+    row = staticmethod(lambda values, row: values[row])
+    put_row = staticmethod(_put_row_host)
     count = staticmethod(lambda x: 1.0 if x else 0.0)

@@ -340,17 +340,21 @@ class KeepGradModel(backend.Trainer, keras.Model):
             config is None
             or metric is None
             or metric.window != config.window
+            or metric.updates != config.updates_per_step
             or metric.counts_steps != counts
             or metric.name != config.log_key
         ):
             # Its state: made only where skipping is on, so that a model
             # that does not skip has no variable or metric more.
-            if metric is not None:
-                _compat.untrack_metric(self, metric)
-            self._skipped_metric = (
+            # Replacing one (its state made anew), also on a built model.
+            _compat.set_metric(
+                self,
+                "_skipped_metric",
                 None
                 if config is None
-                else _skipping.SkippedSteps(config.window, counts, name=config.log_key)
+                else _skipping.SkippedSteps(
+                    config.window, counts, name=config.log_key, updates=config.updates_per_step
+                ),
             )
 
     def get_config(self):

@@ -37,7 +37,7 @@ SIGNATURES = {
     ),
     kg.SkipBadSteps: (
         "(nonfinite=True, spike_factor=None, window=100, save_batches_to=None, max_saved=10, "
-        "skip=True)"
+        "skip=True, updates_per_step=1)"
     ),
     kg.replay_batch: "(model, path)",
     kg.keep_gradients: "(model, **options)",

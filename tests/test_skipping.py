@@ -72,6 +72,10 @@ def test_arguments_are_checked_with_their_names():
         kg.SkipBadSteps(nonfinite=False)
     with pytest.raises(TypeError, match=r"`skip` must be a bool .* Received: skip='no'"):
         kg.SkipBadSteps(skip="no")
+    with pytest.raises(
+        ValueError, match=r"`updates_per_step` must be a positive int. Received: updates_per_step=0"
+    ):
+        kg.SkipBadSteps(spike_factor=2.0, updates_per_step=0)
     model = one_weight(skip_bad_steps=True)
     with pytest.raises(TypeError, match=r"Received: skip_bad_steps=3"):
         model.skip_bad_steps = 3
@@ -348,6 +352,96 @@ class TwoOptimizers(kg.KeepGradModel):
         self.optimizer.apply(grads[0], self.a.trainable_weights)
         self.b_optimizer.apply(grads[1], self.b.trainable_weights)
         return {"a_loss": losses[0], "b_loss": losses[1]}
+
+
+class TwoUpdates(kg.KeepGradModel):
+    """Two one-weight layers, a and b (w = 3 each), on one input column
+    each, y = 0, mse: for a row (p, q), d/da = 6 p (p + q) and d/db =
+    6 q (p + q). Its own step makes two updates with the compiled
+    optimizer, a's then b's, as a GAN's step does with two optimizers (on
+    JAX, whose `stateless_apply` takes every variable, each update gets a
+    zero gradient for the other variable)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        constant = keras.initializers.Constant(3.0)
+        self.a = keras.layers.Dense(1, use_bias=False, kernel_initializer=constant, name="a")
+        self.b = keras.layers.Dense(1, use_bias=False, kernel_initializer=constant, name="b")
+
+    def call(self, x):
+        return self.a(x[:, :1]) + self.b(x[:, 1:])
+
+    def train_step(self, *args):
+        if keras.backend.backend() == "jax":
+            state, (x, y) = args
+            trainable, non_trainable, optimizer_values, metrics_values = state
+            loss, (grad_a, grad_b) = jax_mse_and_gradients(self, trainable, non_trainable, x, y)
+            for grads in ([grad_a, grad_b * 0.0], [grad_a * 0.0, grad_b]):
+                trainable, optimizer_values = self.optimizer.stateless_apply(
+                    optimizer_values, grads, trainable
+                )
+            state = (trainable, non_trainable, optimizer_values, metrics_values)
+            return {"loss": loss}, state
+        ((x, y),) = args
+        loss, variables, grads = mse_gradients(self, x, y)
+        for grad, variable in zip(grads, variables):
+            self.optimizer.apply([grad], [variable])
+        return {"loss": loss}
+
+
+def test_each_of_several_updates_a_step_is_judged_against_its_own_window(mode):
+    """Window 2, factor 3, SGD(0) (the weights stay 3; each update that runs
+    counts one iteration), one row (p, q) a step; the norm of an update is
+    its one gradient's size. Rows (1, 9) twice: a 60, b 540, each in its
+    own window. (4, 9): a 312 > 3 * 60, skipped; b 702 <= 3 * 540, applied.
+    (1, 30): a 186 <= 3 * (312 + 60) / 2, applied; b 5580 > 3 * (702 +
+    540) / 2, skipped. One window for both (median 300 from the second
+    step) would have skipped b's last update only."""
+    config = kg.SkipBadSteps(spike_factor=3.0, window=2, updates_per_step=2)
+    assert config.get_config()["updates_per_step"] == 2
+    assert "updates_per_step" not in kg.SkipBadSteps(spike_factor=3.0).get_config()
+    assert kg.SkipBadSteps.from_config(config.get_config()) == config
+    rows = np.array([[1.0, 9.0], [1.0, 9.0], [4.0, 9.0], [1.0, 30.0]], "float32")
+    model = TwoUpdates(skip_bad_steps=kg.SkipBadSteps(spike_factor=3.0, window=2))
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **mode)
+    model(rows)  # built
+    # Each `apply` gets one of the variables: built for both first.
+    model.optimizer.build(model.trainable_variables)
+    # Windows for one update: the first step's second `apply` raises.
+    with pytest.raises(ValueError, match=r"`apply` more than once.*`updates_per_step=1`"):
+        model.fit(rows[:1], Y[:1], batch_size=1, verbose=0)
+    assert cases.iterations(model) == 0
+    model.skip_bad_steps = config
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **mode)
+    model.optimizer.build(model.trainable_variables)
+    history = model.fit(rows, np.zeros((4, 1), "float32"), batch_size=1, shuffle=False, verbose=0)
+    assert history.history["skipped_steps"] == [2.0]
+    assert cases.iterations(model) == 8 - 2
+    metric = model._skipped_metric
+    state = {
+        name: keras.ops.convert_to_numpy(variable).tolist()
+        for name, variable in zip(metric.names, metric.state_variables())
+    }
+    assert state["norms"] == [[312.0, 186.0], [702.0, 5580.0]]
+    assert (state["recorded"], state["position"]) == ([2.0, 2.0], [0.0, 0.0])
+
+
+def test_skipping_is_set_on_a_model_of_your_own_after_it_was_built(mode):
+    """Keras locks a subclass's state once built; skipping's is made anyway.
+    A row (1, NaN) makes both gradients NaN: both updates are skipped, the
+    step counted once, the weights left at 3."""
+    model = TwoUpdates()
+    model(np.zeros((1, 2), "float32"))  # built
+    model.skip_bad_steps = True
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
+    model.optimizer.build(model.trainable_variables)
+    history = model.fit(np.array([[1.0, np.nan]], "float32"), Y[:1], verbose=0)
+    assert history.history["skipped_steps"] == [1.0]
+    assert [float(keras.ops.convert_to_numpy(v)[0, 0]) for v in model.trainable_variables] == [
+        3.0,
+        3.0,
+    ]
+    assert cases.iterations(model) == 0
 
 
 @pytest.mark.backends(
