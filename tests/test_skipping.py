@@ -545,6 +545,10 @@ def test_config_and_saving_round_trip(tmp_path):
     model.save(path)
     loaded = keras.models.load_model(path)
     assert loaded.skip_bad_steps == kg.SkipBadSteps(spike_factor=4.0, window=7)
+    # The window is a metric's state, which Keras does not save: one norm
+    # recorded before, none after.
+    recorded = [float(m._skipped_metric.recorded.numpy()) for m in (model, loaded)]
+    assert recorded == [1.0, 0.0]
     history = loaded.fit(np.array([[np.nan], [2.0]], "float32"), Y, verbose=0)
     assert history.history["skipped_steps"] == [1.0]
     assert float(keras.ops.convert_to_numpy(loaded.weights[0])[0, 0]) == 1.5
