@@ -101,13 +101,22 @@ def test_replace_metric_variable():
         assert metric.variables[0] is new and len(metric.variables) == 2
 
 
-def test_untrack_metric():
+def test_set_metric():
     layer = keras.layers.Dense(1)
     layer.canary_metric = keras.metrics.Mean()
     assert layer.metrics == [layer.canary_metric]
-    with canary("untrack_metric"):
-        _compat.untrack_metric(layer, layer.canary_metric)
+    layer.build((None, 1))  # its state locked
+    with pytest.raises(ValueError, match="cannot add new elements of state"):
+        layer.other_metric = keras.metrics.Mean()
+    new = keras.metrics.Sum()
+    with canary("set_metric"):
+        _compat.set_metric(layer, "canary_metric", new)
+        assert layer.metrics == [new]
+        _compat.set_metric(layer, "canary_metric", None)
         assert layer.metrics == []
+    # Locked again, with Keras's message.
+    with pytest.raises(ValueError, match="cannot add new elements of state"):
+        layer.other_metric = keras.metrics.Mean()
 
 
 def test_tensorflow_pieces():
