@@ -332,7 +332,10 @@ class Guard:
         self.scale_skipped = None
         self.judged = 0
         self.scale = None  # a `LossScaleOptimizer`'s scale as the step ran
-        self.kept = {}  # `{path: kept gradient}` judged, where batches are saved
+        # `{key: kept gradient}` judged, where batches are saved: "grad/<path>",
+        # or "grad/<k>/<path>" for the k-th of several updates a step.
+        self.kept = {}
+        self.bads = []  # whether each update of the step was bad
 
     def _judge(self, optimizer, kept, scale=None):
         """Whether to run the update of `kept`; records the step's badness."""
@@ -381,6 +384,7 @@ class Guard:
             )
             bad = a.logical_or(bad, spiked)
         self.bad = bad if self.bad is None else ops.logical_or(self.bad, bad)
+        self.bads.append(bad)
         self.finite = finite if self.finite is None else ops.logical_and(self.finite, finite)
         if scale is not None and self.scale is None:
             self.scale = scale
@@ -454,15 +458,24 @@ class Guard:
         as the step's record, which may hold them as the update reduced
         them (inside its `tf.cond`)."""
         if self.data is not None:
+            # Each update's own where there are several: on JAX each is
+            # handed every variable, and a later one would hide an earlier.
+            several = self.config.updates_per_step > 1
+            prefix = f"grad/{self.judged}/" if several else "grad/"
             for variable, grad in zip(variables, kept):
-                self.kept[variable.path] = grad
+                self.kept[prefix + variable.path] = grad
 
     def _save_if(self, bad):
         """Saves the step's evidence on the host where it was skipped."""
         tensors = dict(self.data)
         tensors["step"] = ops.convert_to_tensor(self.state["total"], "float32")
-        for path, grad in self.kept.items():
-            tensors[f"grad/{path}"] = ops.cast(backend.densify(grad), "float32")
+        for key, grad in self.kept.items():
+            tensors[key] = ops.cast(backend.densify(grad), "float32")
+        most = self.config.updates_per_step
+        if most > 1:
+            # Which of them was bad; an update the step did not make, not.
+            bads = [*self.bads, *[False] * (most - len(self.bads))]
+            tensors["bad_updates"] = ops.stack([ops.convert_to_tensor(b) for b in bads])
         if self.scale is not None:
             tensors["loss_scale"] = ops.cast(self.scale, "float32")
         config = self.config

@@ -389,15 +389,18 @@ class TwoUpdates(kg.KeepGradModel):
         return {"loss": loss}
 
 
-def test_each_of_several_updates_a_step_is_judged_against_its_own_window(mode):
+def test_each_of_several_updates_a_step_is_judged_against_its_own_window(mode, tmp_path):
     """Window 2, factor 3, SGD(0) (the weights stay 3; each update that runs
     counts one iteration), one row (p, q) a step; the norm of an update is
     its one gradient's size. Rows (1, 9) twice: a 60, b 540, each in its
     own window. (4, 9): a 312 > 3 * 60, skipped; b 702 <= 3 * 540, applied.
     (1, 30): a 186 <= 3 * (312 + 60) / 2, applied; b 5580 > 3 * (702 +
     540) / 2, skipped. One window for both (median 300 from the second
-    step) would have skipped b's last update only."""
-    config = kg.SkipBadSteps(spike_factor=3.0, window=2, updates_per_step=2)
+    step) would have skipped b's last update only. The two bad steps' files
+    hold each update's gradients and which update was bad."""
+    config = kg.SkipBadSteps(
+        spike_factor=3.0, window=2, updates_per_step=2, save_batches_to=str(tmp_path)
+    )
     assert config.get_config()["updates_per_step"] == 2
     assert "updates_per_step" not in kg.SkipBadSteps(spike_factor=3.0).get_config()
     assert kg.SkipBadSteps.from_config(config.get_config()) == config
@@ -424,6 +427,20 @@ def test_each_of_several_updates_a_step_is_judged_against_its_own_window(mode):
     }
     assert state["norms"] == [[312.0, 186.0], [702.0, 5580.0]]
     assert (state["recorded"], state["position"]) == ([2.0, 2.0], [0.0, 0.0])
+    a, b = model.a.kernel.path, model.b.kernel.path
+    # On JAX each update is handed both variables, the other's gradient 0.
+    zeros = keras.backend.backend() == "jax"
+    for step, bad_updates, grads in [
+        (3, [True, False], (312.0, 702.0)),
+        (4, [False, True], (186.0, 5580.0)),
+    ]:
+        with np.load(tmp_path / f"bad_step_{step:08d}.npz") as saved:
+            expected = {f"grad/0/{a}": grads[0], f"grad/1/{b}": grads[1]}
+            if zeros:
+                expected.update({f"grad/0/{b}": 0.0, f"grad/1/{a}": 0.0})
+            found = {k: float(saved[k][0, 0]) for k in saved.files if k.startswith("grad/")}
+            assert (found, saved["bad_updates"].tolist()) == (expected, bad_updates)
+    assert sorted(os.listdir(tmp_path)) == ["bad_step_00000003.npz", "bad_step_00000004.npz"]
 
 
 def test_skipping_is_set_on_a_model_of_your_own_after_it_was_built(mode):
