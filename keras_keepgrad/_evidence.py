@@ -73,6 +73,17 @@ def count_saved(directory):
     return len(glob.glob(os.path.join(glob.escape(directory), PREFIX + "*.npz")))
 
 
+def _free_name(directory, step):
+    # A file of that name is an earlier run's (each model object counts its
+    # steps from 1): kept, as the first files are; this one gets `_2`, ...
+    base = os.path.join(directory, f"{PREFIX}{step:08d}")
+    filename, copy = base + ".npz", 1
+    while os.path.exists(filename):
+        copy += 1
+        filename = f"{base}_{copy}.npz"
+    return filename
+
+
 def save(directory, max_saved, arrays):
     """Writes `arrays` (host values; `step` among them) to a new file of
     `directory`, unless it holds `max_saved` saved batches already.
@@ -91,9 +102,7 @@ def save(directory, max_saved, arrays):
     try:
         if count_saved(directory) >= max_saved:
             return
-        step = int(arrays["step"])
-        filename = os.path.join(directory, f"{PREFIX}{step:08d}.npz")
-        _files.atomic_savez(filename, arrays)
+        _files.atomic_savez(_free_name(directory, int(arrays["step"])), arrays)
     except Exception as error:  # noqa: BLE001 - a save never stops training
         warnings.warn(
             f"`SkipBadSteps` could not save the batch of bad step "

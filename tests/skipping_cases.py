@@ -443,6 +443,20 @@ def saved_files_stop_at_max_saved(mode, tmp_path):
     assert list(saved(directory)) == list(files)
 
 
+def an_earlier_runs_file_of_the_same_name_is_kept(mode, tmp_path):
+    """Two model objects, one directory: each counts its steps from 1, and
+    each skips its step 1, batch (NaN, 1), then (NaN, 2). The first file
+    stays as written; the second gets the next free name."""
+    directory = str(tmp_path / "bad")
+    for second in (1.0, 2.0):
+        model = one_weight(skip_bad_steps=kg.SkipBadSteps(save_batches_to=directory))
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", **mode)
+        model.fit(np.array([[np.nan], [second]], "float32"), Y, shuffle=False, verbose=0)
+    files = saved(directory)
+    assert list(files) == ["bad_step_00000001.npz", "bad_step_00000001_2.npz"]
+    assert [(int(f["step"]), float(f["x"][1, 0])) for f in files.values()] == [(1, 1.0), (1, 2.0)]
+
+
 def saving_adds_one_counter_and_off_adds_none(mode, tmp_path):
     """Skipping alone: 5 state variables; with saving, the step counter
     too; set off again, it is gone."""

@@ -41,6 +41,7 @@ SAVING_CASES = [
     cases.nan_batch_is_saved_with_its_gradients,
     cases.spike_batch_is_saved_and_replays_to_its_gradients,
     cases.saved_files_stop_at_max_saved,
+    cases.an_earlier_runs_file_of_the_same_name_is_kept,
     cases.saving_adds_one_counter_and_off_adds_none,
     cases.saved_loss_scale_is_the_steps,
     cases.dict_inputs_are_saved_per_key_and_replayed,
