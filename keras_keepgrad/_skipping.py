@@ -83,7 +83,8 @@ class SkipBadSteps:
     With `save_batches_to`, each bad step also leaves its evidence: the
     batch the training step received (inputs, targets, sample weights),
     its kept gradients, its step number and its loss scale, in one `.npz`
-    file per step, `bad_step_<step:08d>.npz`, written atomically, whose
+    file per step, `bad_step_<step:08d>.npz` (`..._2.npz`, ... where an
+    earlier run left a file of that name), written atomically, whose
     `skipped` entry says whether its update was skipped (False with
     `skip=False`, and True on a skipped step), and whose
     `first_bad_replica` entry names the first replica whose gradients were
