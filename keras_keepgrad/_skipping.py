@@ -327,7 +327,6 @@ class Guard:
         self.state = state
         self.data = data
         self.args = args  # the step's arguments
-        self.bad = None  # whether an update of the step was bad
         self.finite = None  # whether all its judged gradients were finite
         # Whether a `LossScaleOptimizer` skipped an update (non-finite) itself.
         self.scale_skipped = None
@@ -384,7 +383,6 @@ class Guard:
                 a, squares, finite, self.state, config.spike_factor, config.window, row
             )
             bad = a.logical_or(bad, spiked)
-        self.bad = bad if self.bad is None else ops.logical_or(self.bad, bad)
         self.bads.append(bad)
         self.finite = finite if self.finite is None else ops.logical_and(self.finite, finite)
         if scale is not None and self.scale is None:
@@ -440,7 +438,9 @@ class Guard:
         # On PyTorch in Python floats, as the spike rule (`_spikes`): the
         # counts are whole numbers, exact in float32 and float64 alike.
         a = _spikes.arithmetic()
-        bad = ops.convert_to_tensor(False) if self.bad is None else self.bad
+        # Whether an update of the step was bad.
+        bads = self.bads or [ops.convert_to_tensor(False)]
+        bad = functools.reduce(ops.logical_or, bads)
         state["skipped"] = a.add(a.read(state["skipped"]), a.count(bad))
         state["steps"] = a.add(a.read(state["steps"]), 1.0)
         metric = self.model._skipped_metric
