@@ -337,9 +337,9 @@ class Guard:
         self.kept = {}
         self.bads = []  # whether each update of the step was bad
 
-    def _judge(self, optimizer, kept, scale=None, method="apply"):
-        """Whether to run the update of `kept` (`method`'s); records the
-        step's badness."""
+    def _judge(self, optimizer, kept, scale=None, called="`apply` or `apply_gradients`"):
+        """Whether to run the update of `kept` (of the methods `called`
+        names); records the step's badness."""
         config = self.config
         self.judged += 1
         most = config.updates_per_step
@@ -349,12 +349,12 @@ class Guard:
             times = "once" if most == 1 else f"{most} times"
             raise ValueError(
                 f"The training step of model {self.model.name!r} called an "
-                f"optimizer's `{method}` more than {times}, and `skip_bad_steps` "
+                f"optimizer's {called} more than {times}, and `skip_bad_steps` "
                 "with a `spike_factor` compares the global gradient norm of "
                 "each update of a step with those of the same update in "
                 f"recent steps: it has windows for {most} "
                 f"(`updates_per_step={most}`). Pass `SkipBadSteps(..., "
-                f"updates_per_step=N)` with N the number of `{method}` calls "
+                f"updates_per_step=N)` with N the number of {called} calls "
                 "of one step, apply all gradients in one call, or use "
                 "`spike_factor=None` (each update is then skipped on "
                 "non-finite gradients of its own)."
@@ -425,7 +425,7 @@ class Guard:
             # The step's value of it, among the optimizer's as passed.
             index = [id(v) for v in optimizer.variables].index(id(optimizer.dynamic_scale))
             scale = unchanged[1][index]
-        run = self._judge(optimizer, kept, scale, "stateless_apply")
+        run = self._judge(optimizer, kept, scale, "`stateless_apply`")
         if not self.config.skip:
             return apply()
         # A branch, as `LossScaleOptimizer.stateless_apply` has: selecting

@@ -304,8 +304,8 @@ def test_a_spike_factor_needs_one_apply_per_step(mode):
     # Each `apply` gets some of the variables: built for all first.
     model.optimizer.build(model.trainable_variables)
     # Named as the step calls it.
-    method = "stateless_apply" if BACKEND == "jax" else "apply"
-    with pytest.raises(ValueError, match=rf"called an optimizer's `{method}` more than once"):
+    called = "`stateless_apply`" if BACKEND == "jax" else "`apply` or `apply_gradients`"
+    with pytest.raises(ValueError, match=rf"called an optimizer's {called} more than once"):
         model.fit(X, Y, verbose=0)
     # Refused before any update, or, in a step run as it is called, with
     # the first `apply`'s (a = 1 - 0.1 * 5 = 0.5) put back: a, b = 1, 1.
@@ -415,8 +415,8 @@ def test_each_of_several_updates_a_step_is_judged_against_its_own_window(mode, t
     # Each `apply` gets one of the variables: built for both first.
     model.optimizer.build(model.trainable_variables)
     # Windows for one update: the first step's second `apply` raises.
-    method = "stateless_apply" if BACKEND == "jax" else "apply"
-    match = rf"`{method}` more than once.*`updates_per_step=1`.*number of `{method}` calls"
+    called = "`stateless_apply`" if BACKEND == "jax" else "`apply` or `apply_gradients`"
+    match = rf"{called} more than once.*`updates_per_step=1`.*number of {called} calls"
     with pytest.raises(ValueError, match=match):
         model.fit(rows[:1], Y[:1], batch_size=1, verbose=0)
     assert cases.iterations(model) == 0
