@@ -215,9 +215,9 @@ class SkippedSteps(keras.metrics.Metric):
 
     Logged as `skipped_steps` in training only (absent from `evaluate()`
     and the `val_` logs). `reset_state` (each epoch) resets the count, not
-    the recent norms. With several `updates` per step, a window of norms
-    each: `norms` `[updates, window]`, `recorded` and `position`
-    `[updates]` (one update: `[window]`, and scalars).
+    the recent norms: `norms`, oldest first, `_spikes.EMPTY` where none
+    was recorded yet; with several `updates` per step, a window each
+    (`[updates, window]`; one update: `[window]`).
     """
 
     def __init__(self, window, counts_steps=False, name=LOG_KEY, updates=1):
@@ -229,20 +229,19 @@ class SkippedSteps(keras.metrics.Metric):
         # Training steps since the last reset: nothing is logged before one.
         self.steps = self._state((), "steps")
         each = () if updates == 1 else (updates,)
-        self.norms = self._state((*each, window), "norms")
-        self.recorded = self._state(each, "recorded")
-        self.position = self._state(each, "position")
-        self.names = ("skipped", "steps", "norms", "recorded", "position")
+        empty = keras.initializers.Constant(_spikes.EMPTY)
+        self.norms = self._state((*each, window), "norms", empty)
+        self.names = ("skipped", "steps", "norms")
         if counts_steps:
             # Where batches are saved: the step number, never reset.
             self.total = self._state((), "total")
             self.names += ("total",)
 
-    def _state(self, shape, name):
+    def _state(self, shape, name, initializer="zeros"):
         # Under a `tf.distribute` strategy every replica judges the global
         # gradients and holds the same state: read once, not summed.
         return self.add_variable(
-            shape=shape, initializer="zeros", aggregation="only_first_replica", name=name
+            shape=shape, initializer=initializer, aggregation="only_first_replica", name=name
         )
 
     def state_variables(self):

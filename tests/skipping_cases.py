@@ -85,8 +85,8 @@ def nan_step_leaves_the_state_bit_identical(mode, model=None, sgd=keras.optimize
 
 def spike_above_the_factor_is_skipped_below_it_is_not(mode):
     """window 3, factor 3: three 15s fill the window (median 15, limit 45);
-    60 is skipped and joins the window ([60, 15, 15]: median 15); 30 is
-    applied ([60, 30, 15]: median 30, limit 90); 75 is applied ([60, 30,
+    60 is skipped and joins the window ([15, 15, 60]: median 15); 30 is
+    applied ([15, 60, 30]: median 30, limit 90); 75 is applied ([60, 30,
     75]: median 60, limit 180); 60 is applied. (The metrics are reset
     before each `train_on_batch`: each call logs its own count.)"""
     model = one_weight(skip_bad_steps=kg.SkipBadSteps(spike_factor=3.0, window=3))
@@ -141,7 +141,7 @@ def applied_update_that_overflows_a_weight_stays_applied(mode):
 def history_counts_the_skipped_steps_per_epoch(mode):
     """Each epoch: (1, 2) three times, (2, 4), NaN, (1, 3); window 3,
     factor 3. Epoch 1: 60 is skipped (limit 45), NaN is skipped (and joins
-    no window), 30 is applied: 2. Epoch 2 starts from [60, 30, 15]: the
+    no window), 30 is applied: 2. Epoch 2 starts from [15, 60, 30]: the
     15s are applied and fill it with 15 again, so 60 is skipped again, NaN
     too, 30 not: 2. 8 updates in all."""
     model = one_weight(skip_bad_steps=kg.SkipBadSteps(spike_factor=3.0, window=3))

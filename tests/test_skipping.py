@@ -431,8 +431,10 @@ def test_each_of_several_updates_a_step_is_judged_against_its_own_window(mode, t
         name: keras.ops.convert_to_numpy(variable).tolist()
         for name, variable in zip(metric.names, metric.state_variables())
     }
+    # Each window its last two norms, oldest first; beside them only the
+    # counts (steps skipped and run; `total`, the step number of a file).
     assert state["norms"] == [[312.0, 186.0], [702.0, 5580.0]]
-    assert (state["recorded"], state["position"]) == ([2.0, 2.0], [0.0, 0.0])
+    assert sorted(state) == ["norms", "skipped", "steps", "total"]
     a, b = model.a.kernel.path, model.b.kernel.path
     # On JAX each update is handed both variables, the other's gradient 0.
     zeros = keras.backend.backend() == "jax"
@@ -488,70 +490,69 @@ def test_a_step_with_one_of_two_updates_skipped_counts_as_skipped():
     assert (cases.iterations(model), int(model.b_optimizer.iterations)) == (1, 0)
 
 
-# Window 4: `(squares, finite, norms, recorded, position, factor)`, then
-# what the rule gives: `(spiked, norms, position, recorded)` after it.
+EMPTY = _spikes.EMPTY
+# Window 4, oldest first (`EMPTY`: no norm recorded there yet):
+# `(squares, finite, norms, factor)`, then what the rule gives:
+# `(spiked, norms)` after it.
 SPIKE_RULE_CASES = {
     # Median (2 + 2) / 2 = 2. The norm sqrt(4.84) and the bound 1.1 * 2 are
     # both float32(2.2) = 2.2000000477: no spike. In float64 the bound would
-    # be 2.2 and the norm above it.
+    # be 2.2 and the norm above it. The norm joins at the end, the oldest
+    # (1) leaves.
     "at_the_float32_bound": (
-        ([4.84], True, [1.0, 2.0, 2.0, 3.0], 4.0, 0.0, 1.1),
-        (False, [np.float32(2.2), 2.0, 2.0, 3.0], 1.0, 4.0),
+        ([4.84], True, [1.0, 2.0, 2.0, 3.0], 1.1),
+        (False, [2.0, 2.0, 3.0, np.float32(2.2)]),
     ),
     # sqrt(4.9) = 2.2135944 > 2.2000000477: a spike, which joins the window.
     "above_it": (
-        ([4.9], True, [1.0, 2.0, 2.0, 3.0], 4.0, 0.0, 1.1),
-        (True, [np.float32(np.sqrt(np.float32(4.9))), 2.0, 2.0, 3.0], 1.0, 4.0),
+        ([4.9], True, [1.0, 2.0, 2.0, 3.0], 1.1),
+        (True, [2.0, 2.0, 3.0, np.float32(np.sqrt(np.float32(4.9)))]),
     ),
     # 3 norms recorded of 4: no median yet, whatever the norm.
     "window_not_full": (
-        ([1e6], True, [1.0, 1.0, 1.0, 0.0], 3.0, 3.0, 2.0),
-        (False, [1.0, 1.0, 1.0, 1000.0], 0.0, 4.0),
+        ([1e6], True, [EMPTY, 1.0, 1.0, 1.0], 2.0),
+        (False, [1.0, 1.0, 1.0, 1000.0]),
+    ),
+    # Norms of 0 are recorded norms: the window is full, its median 0, and
+    # any norm above 0 spikes.
+    "full_of_zeros": (
+        ([1.0], True, [0.0, 0.0, 0.0, 0.0], 2.0),
+        (True, [0.0, 0.0, 0.0, 1.0]),
     ),
     # Non-finite gradients: the window is left as it was.
     "not_finite": (
-        ([np.nan], False, [1.0, 2.0, 2.0, 3.0], 4.0, 2.0, 2.0),
-        (False, [1.0, 2.0, 2.0, 3.0], 2.0, 4.0),
+        ([np.nan], False, [1.0, 2.0, 2.0, 3.0], 2.0),
+        (False, [1.0, 2.0, 2.0, 3.0]),
     ),
     # 3e38 + 3e38 overflows float32: the median and the bound are inf.
     "median_overflows": (
-        ([1.0], True, [3e38, 3e38, 3e38, 3e38], 4.0, 1.0, 2.0),
-        (False, [3e38, 1.0, 3e38, 3e38], 2.0, 4.0),
+        ([1.0], True, [3e38, 3e38, 3e38, 3e38], 2.0),
+        (False, [3e38, 3e38, 3e38, 1.0]),
     ),
     # A finite step whose sum of squares overflows: its norm is inf, above
     # every bound, and does not join the window.
     "squares_overflow": (
-        ([3e38, 3e38], True, [1.0, 2.0, 2.0, 3.0], 4.0, 1.0, 2.0),
-        (True, [1.0, 2.0, 2.0, 3.0], 1.0, 4.0),
+        ([3e38, 3e38], True, [1.0, 2.0, 2.0, 3.0], 2.0),
+        (True, [1.0, 2.0, 2.0, 3.0]),
     ),
 }
 
 
 @pytest.mark.parametrize("name", SPIKE_RULE_CASES)
 def test_the_spike_rule_on_the_host_is_the_float32_one(name):
-    (squares, finite, norms, recorded, position, factor), expected = SPIKE_RULE_CASES[name]
+    (squares, finite, norms, factor), expected = SPIKE_RULE_CASES[name]
     results = []
     for a in (_spikes.TENSORS, _spikes.HOST):
-        state = {
-            "norms": keras.ops.convert_to_tensor(np.array(norms, "float32")),
-            "recorded": keras.ops.convert_to_tensor(np.float32(recorded)),
-            "position": keras.ops.convert_to_tensor(np.float32(position)),
-        }
+        state = {"norms": keras.ops.convert_to_tensor(np.array(norms, "float32"))}
         squares_tensor = keras.ops.convert_to_tensor(np.array(squares, "float32"))
         finite_tensor = keras.ops.convert_to_tensor(finite)
         spiked = _spikes.spike(a, squares_tensor, finite_tensor, state, factor, window=4)
-        results.append(
-            (bool(keras.ops.convert_to_numpy(spiked)),)
-            + tuple(
-                np.array(keras.ops.convert_to_numpy(state[n]), "float32").tolist()
-                for n in ("norms", "position", "recorded")
-            )
-        )
+        after = np.array(keras.ops.convert_to_numpy(state["norms"]), "float32").tolist()
+        results.append((bool(keras.ops.convert_to_numpy(spiked)), after))
     tensors, host = results
     assert host == tensors
-    spiked, norms_after, position_after, recorded_after = expected
-    want = (spiked, np.array(norms_after, "float32").tolist(), position_after, recorded_after)
-    assert tensors == want
+    spiked, norms_after = expected
+    assert tensors == (spiked, np.array(norms_after, "float32").tolist())
 
 
 def test_config_and_saving_round_trip(tmp_path):
@@ -569,9 +570,9 @@ def test_config_and_saving_round_trip(tmp_path):
     loaded = keras.models.load_model(path)
     assert loaded.skip_bad_steps == kg.SkipBadSteps(spike_factor=4.0, window=7)
     # The window is a metric's state, which Keras does not save: one norm
-    # recorded before, none after.
-    recorded = [float(m._skipped_metric.recorded.numpy()) for m in (model, loaded)]
-    assert recorded == [1.0, 0.0]
+    # (5 * 3 = 15) recorded before, none after.
+    windows = [keras.ops.convert_to_numpy(m._skipped_metric.norms) for m in (model, loaded)]
+    assert [w.tolist() for w in windows] == [[-1.0] * 6 + [15.0], [-1.0] * 7]
     history = loaded.fit(np.array([[np.nan], [2.0]], "float32"), Y, verbose=0)
     assert history.history["skipped_steps"] == [1.0]
     assert float(keras.ops.convert_to_numpy(loaded.weights[0])[0, 0]) == 1.5
