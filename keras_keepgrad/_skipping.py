@@ -379,8 +379,8 @@ class Guard:
             a = _spikes.arithmetic()
             # With several updates a step, the k-th's own window.
             row = None if most == 1 else self.judged - 1
-            spiked = _spikes.spike(
-                a, squares, finite, self.state, config.spike_factor, config.window, row
+            spiked, self.state["norms"] = _spikes.spike(
+                a, squares, finite, self.state["norms"], config.spike_factor, config.window, row
             )
             bad = a.logical_or(bad, spiked)
         self.bads.append(bad)

@@ -30,13 +30,13 @@ __all__ = ["EMPTY", "HOST", "TENSORS", "arithmetic", "spike"]
 EMPTY = -1.0
 
 
-def spike(a, squares, finite, state, factor, window, row=None):
-    """Whether a step (or one of its updates) spikes, in arithmetic `a`;
-    updates `state`.
+def spike(a, squares, finite, norms, factor, window, row=None):
+    """Whether a step (or one of its updates) spikes, in arithmetic `a`,
+    and the window of norms after it.
 
     Its global norm is the square root of the sum of `squares` (each kept
     gradient's sum of squares). It spikes where it is above `factor` times
-    the median of the last `window` finite norms (`state["norms"]`), once
+    the median of the last `window` finite norms (`norms`), once
     `window` of them were recorded. A finite norm joins them (that of a
     skipped spike too) where the step's gradients are all `finite`.
 
@@ -50,28 +50,27 @@ def spike(a, squares, finite, state, factor, window, row=None):
         a: `TENSORS` or `HOST`.
         squares: 1-D float32 tensor.
         finite: Bool tensor.
-        state: `{"norms": tensor}` as the step begins; replaced by its
-            value after it, in `a`'s kind.
+        norms: Tensor, the window as the step begins.
         factor: Float above 1.
-        window: Int, the length of `state["norms"]`'s rows.
-        row: None, or an int: `state["norms"]` holds a window for each of
-            a step's updates (`[updates, window]`), and row `row`'s is
-            consulted and updated; the others are left as they were.
+        window: Int, the length of `norms`'s rows.
+        row: None, or an int: `norms` holds a window for each of a step's
+            updates (`[updates, window]`), and row `row`'s is consulted and
+            updated; the others are left as they were.
+
+    Returns:
+        `(spiked, norms)`: a bool, and the window after the step, in `a`'s
+        kind.
     """
+    norms = a.read(norms)
     if row is not None:
-        full = a.read(state["norms"])
-        own = {"norms": a.row(full, row)}
-        spiked = spike(a, squares, finite, own, factor, window)
-        state["norms"] = a.put_row(full, row, own["norms"])
-        return spiked
+        spiked, own = spike(a, squares, finite, a.row(norms, row), factor, window)
+        return spiked, a.put_row(norms, row, own)
     norm = a.sqrt(a.total(squares))
-    norms = a.read(state["norms"])
     ordered = a.sort(norms)
     median = a.div(a.add(ordered[(window - 1) // 2], ordered[window // 2]), 2.0)
     spiked = a.logical_and(a.greater(ordered[0], EMPTY), a.greater(norm, a.mul(factor, median)))
     joins = a.logical_and(a.read(finite), a.isfinite(norm))
-    state["norms"] = a.shift(norms, norm, joins)
-    return spiked
+    return spiked, a.shift(norms, norm, joins)
 
 
 def arithmetic():

@@ -543,11 +543,11 @@ def test_the_spike_rule_on_the_host_is_the_float32_one(name):
     (squares, finite, norms, factor), expected = SPIKE_RULE_CASES[name]
     results = []
     for a in (_spikes.TENSORS, _spikes.HOST):
-        state = {"norms": keras.ops.convert_to_tensor(np.array(norms, "float32"))}
+        before = keras.ops.convert_to_tensor(np.array(norms, "float32"))
         squares_tensor = keras.ops.convert_to_tensor(np.array(squares, "float32"))
         finite_tensor = keras.ops.convert_to_tensor(finite)
-        spiked = _spikes.spike(a, squares_tensor, finite_tensor, state, factor, window=4)
-        after = np.array(keras.ops.convert_to_numpy(state["norms"]), "float32").tolist()
+        spiked, updated = _spikes.spike(a, squares_tensor, finite_tensor, before, factor, window=4)
+        after = np.array(keras.ops.convert_to_numpy(updated), "float32").tolist()
         results.append((bool(keras.ops.convert_to_numpy(spiked)), after))
     tensors, host = results
     assert host == tensors
