@@ -148,6 +148,15 @@ WAITING_FLOOR = "kept_wait"
 # per write measured within noise of a `tf.cond`.
 GUARDED_FLOOR = "kept_guard"
 SKIPPING_FLOORS = (GUARDED_FLOOR, WAITING_FLOOR, SKIPPING_FLOOR, "kept")
+# The spike check's own floors (TensorFlow): `kept_guard` and `kept_wait`
+# whose judgement is also the spike rule written bare, as a user of
+# TensorFlow would (the norm from the judgement's sum, the median of a
+# window variable of the last norms, the comparison, and the window
+# shifted and written once a step). `skip_spike` is judged against the
+# first of them that ran, else as `skip` is.
+SPIKE_FLOORS = {GUARDED_FLOOR: "kept_guard_spike", WAITING_FLOOR: "kept_wait_spike"}
+# The bare rule's factor and window: `skip_spike`'s.
+SPIKE_FACTOR, SPIKE_WINDOW = 10.0, 100
 # Keeping under Keras's own skipping of non-finite steps: a float32
 # `LossScaleOptimizer(Adam)` (its finite check and its branch around the
 # update, plus scaling the loss and unscaling the gradients).
@@ -167,21 +176,24 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
     elif variant == "skip":
         cls, kw = kg.KeepGradModel, {"skip_bad_steps": True}
     elif variant == "skip_spike":
-        cls, kw = kg.KeepGradModel, {"skip_bad_steps": kg.SkipBadSteps(spike_factor=10.0)}
+        spike = kg.SkipBadSteps(spike_factor=SPIKE_FACTOR, window=SPIKE_WINDOW)
+        cls, kw = kg.KeepGradModel, {"skip_bad_steps": spike}
     elif variant == SKIPPING_FLOOR:
         cls, metrics = kg.KeepGradModel, [kg.metrics.GradientNorm()]
-    elif variant == WAITING_FLOOR:
+    elif variant in (WAITING_FLOOR, SPIKE_FLOORS[WAITING_FLOOR]):
         if backend != "tensorflow":
             raise ValueError(f"Variant {variant!r} is timed on TensorFlow only.")
         cls = kg.KeepGradModel
-        optimizer = _waiting(OPTIMIZERS[optimizer], jit_compile)(1e-4)
-    elif variant == GUARDED_FLOOR:
+        spikes = variant != WAITING_FLOOR
+        optimizer = _waiting(OPTIMIZERS[optimizer], jit_compile, spikes=spikes)(1e-4)
+    elif variant in (GUARDED_FLOOR, SPIKE_FLOORS[GUARDED_FLOOR]):
         if backend != "tensorflow" or jit_compile is True or _several_replicas():
             raise ValueError(
                 f"Variant {variant!r} is timed on TensorFlow without XLA on one device only."
             )
         cls = kg.KeepGradModel
-        optimizer = _waiting(OPTIMIZERS[optimizer], False, guarded=True)(1e-4)
+        spikes = variant != GUARDED_FLOOR
+        optimizer = _waiting(OPTIMIZERS[optimizer], False, guarded=True, spikes=spikes)(1e-4)
     elif variant == KERAS_SKIPPING:
         cls = kg.KeepGradModel
         optimizer = keras.optimizers.LossScaleOptimizer(OPTIMIZERS[optimizer](1e-4))
@@ -193,7 +205,7 @@ def keeping_model(variant, spec, weights, jit_compile, optimizer):
         cls = _tf_models()[variant]
     elif variant not in ("plain", "control", "recompute"):
         expected = KEEPING + SKIPPING + (SKIPPING_FLOOR, WAITING_FLOOR, GUARDED_FLOOR)
-        expected += (KERAS_SKIPPING,)
+        expected += (*SPIKE_FLOORS.values(), KERAS_SKIPPING)
         raise ValueError(f"Unknown variant: {variant!r}. Expected one of {expected}.")
     model = compiled(
         spec, cls, weights, metrics, jit_compile=jit_compile, optimizer=optimizer, **kw
@@ -266,7 +278,7 @@ def _tf_models():
     return {"hand": HandKeptModel, "floor": FloorModel}
 
 
-def _waiting(optimizer_class, jit_compile, guarded=False):
+def _waiting(optimizer_class, jit_compile, guarded=False, spikes=False):
     """`optimizer_class`, whose update waits for the gradients' global sum
     of squares to be judged finite, and then runs whatever it found.
 
@@ -274,7 +286,12 @@ def _waiting(optimizer_class, jit_compile, guarded=False):
     strategy of several replicas, the whole update (the skip selects, or
     branches where the replicas meet); else each of the update's writes.
     With `guarded` (one device, no XLA) each of those writes also runs in
-    a `tf.cond` of its own on the judgement, as the skip's do.
+    a `tf.cond` of its own on the judgement, as the skip's do. With
+    `spikes` the judgement is also the spike rule of `skip_spike`, bare:
+    the global norm (from the same sum) not above `SPIKE_FACTOR` times the
+    median of the last `SPIKE_WINDOW` finite norms once that many were
+    recorded, which the optimizer keeps in a variable of its own (`-1`
+    where none was recorded yet), shifted and written once a step.
     """
     import tensorflow as tf
 
@@ -301,15 +318,6 @@ def _waiting(optimizer_class, jit_compile, guarded=False):
         shape = tf.shape(g)
         return tf.reshape(g, tf.where(finite, shape, shape))
 
-    def finite(grads):
-        # One pass per gradient, as the skip's judgement makes (`l2_loss`).
-        squares = [tf.nn.l2_loss(tf.cast(values(g), "float32")) for g in grads]
-        return tf.math.is_finite(tf.add_n(squares))
-
-    def judged(grads):
-        judgement = finite(grads)
-        return [after(judgement, g) for g in grads]
-
     class Waiting(optimizer_class):
         # On one device without XLA: while the update is traced, the write
         # of the step's judgement into `_flag` (a stateful op, whose control
@@ -318,6 +326,41 @@ def _waiting(optimizer_class, jit_compile, guarded=False):
         _flag = None
 
         _run = None  # with `guarded`: the judgement each write is in a branch on
+        norms = None  # with `spikes`: the last norms, oldest first
+
+        def build(self, variables):
+            super().build(variables)
+            if spikes:
+                # As a metric's variable: each replica's own, written in place.
+                self.norms = keras.Variable(
+                    keras.initializers.Constant(-1.0),
+                    shape=(SPIKE_WINDOW,),
+                    trainable=False,
+                    synchronization="on_read",
+                    aggregation="sum",
+                    name="norms",
+                )
+
+        def judge(self, grads):
+            # One pass per gradient, as the skip's judgement makes (`l2_loss`).
+            squares = [tf.nn.l2_loss(tf.cast(values(g), "float32")) for g in grads]
+            total = tf.add_n(squares)
+            good = tf.math.is_finite(total)
+            if not spikes:
+                return good
+            norm = tf.sqrt(2.0 * total)  # an `l2_loss` is half a sum of squares
+            norms = self.norms.value
+            ordered = tf.sort(norms)
+            half = SPIKE_WINDOW // 2
+            median = (ordered[(SPIKE_WINDOW - 1) // 2] + ordered[half]) / 2.0
+            spiked = tf.logical_and(ordered[0] > -1.0, norm > SPIKE_FACTOR * median)
+            shifted = tf.concat([norms[1:], tf.reshape(norm, (1,))], 0)
+            self.norms.assign(tf.where(good, shifted, norms))
+            return tf.logical_and(good, tf.logical_not(spiked))
+
+        def judged(self, grads):
+            judgement = self.judge(grads)
+            return [after(judgement, g) for g in grads]
 
         def _guarded(self, write):
             if self._run is None:
@@ -350,13 +393,13 @@ def _waiting(optimizer_class, jit_compile, guarded=False):
                 return reduced
             # Under a strategy an exact skip judges the global sums, the
             # all-reduce's: the update waits for a judgement of those.
-            present = iter(judged([g for g, _ in reduced if g is not None]))
+            present = iter(self.judged([g for g, _ in reduced if g is not None]))
             return [(None if g is None else next(present), v) for g, v in reduced]
 
         def _backend_apply_gradients(self, grads, trainable_variables):
             if several_replicas():
                 return super()._backend_apply_gradients(grads, trainable_variables)
-            judgement = finite(grads)
+            judgement = self.judge(grads)
             if jit_compile:
                 # XLA orders by data, not by control edges, and drops a
                 # judgement only control edges use (so timed, the floor came

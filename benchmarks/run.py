@@ -239,9 +239,13 @@ def keeping(args, specs, mode):
             log(f"  {name} jit={jit_compile}: {steps} steps/pass")
             runs = [time_rounds(runners, args.rounds or rounds, passes, steps)]
             # Skipping bad steps is judged against the least an exact skip
-            # can cost that ran (`models.SKIPPING_FLOORS`): met within noise.
+            # can cost that ran (`models.SKIPPING_FLOORS`; for spikes, that
+            # with the spike rule bare, `models.SPIKE_FLOORS`, where it ran):
+            # met within noise.
             floor = next(f for f in models.SKIPPING_FLOORS if f in variants or f == "kept")
-            skipping = [(v, floor) for v in models.SKIPPING if v in variants]
+            spike_floor = models.SPIKE_FLOORS.get(floor)
+            floors = dict(skip=floor, skip_spike=spike_floor if spike_floor in variants else floor)
+            skipping = [(v, floors[v]) for v in models.SKIPPING if v in variants]
             summary = dict(
                 pairs=[("kept", "floor")] * ("floor" in variants) + skipping,
                 targets=(

@@ -8,6 +8,7 @@ asserted, never a ratio.
 import collections
 import math
 
+import keras
 import numpy as np
 import pytest
 from conftest import load_benchmark
@@ -95,6 +96,19 @@ def test_skipping_is_judged_against_keeping_plus_a_judgement_the_update_waits_fo
         assert (verdict["target"], verdict["floor"], verdict["tolerance"]) == expected
 
 
+@pytest.mark.slow
+def test_spikes_are_judged_against_the_floor_with_the_spike_rule_bare(tmp_path):
+    variants = ["kept", "kept_wait", "kept_wait_spike", "kept_guard", "kept_guard_spike"]
+    variants += ["skip", "skip_spike"]
+    args = ("keeping", "--smoke", "--models", "mlp_1m", "--variants", *variants)
+    _, result = run_benchmark(tmp_path, *args)
+    (config,) = result["configs"]
+    assert list(config["step_ms"]) == ["plain", "control", *variants]
+    floors = {v: config["verdicts"][v]["floor"] for v in ("skip", "skip_spike")}
+    assert floors == {"skip": "kept_guard", "skip_spike": "kept_guard_spike"}
+    assert {"skip - kept_guard", "skip_spike - kept_guard_spike"} <= set(config["wall"]["pairs"])
+
+
 @pytest.mark.backends("tensorflow", reason="kept_guard is a TensorFlow graph floor")
 def test_the_guarded_floor_updates_as_keeping_does_and_runs_only_without_xla():
     models = load_benchmark("models")
@@ -113,6 +127,74 @@ def test_the_guarded_floor_updates_as_keeping_does_and_runs_only_without_xla():
     assert len(found["kept"]) == len(found["kept_guard"])
     with pytest.raises(ValueError, match="without XLA on one device only"):
         models.keeping_model("kept_guard", spec, weights, True, "adam")
+
+
+@pytest.mark.backends("tensorflow", reason="the spike floors are TensorFlow graph floors")
+@pytest.mark.parametrize(
+    "variant, jit_compile",
+    [("kept_guard_spike", False), ("kept_wait_spike", False), ("kept_wait_spike", True)],
+)
+def test_the_spike_floors_update_as_keeping_does_and_keep_the_norms(variant, jit_compile):
+    models = load_benchmark("models")
+    spec = models.SMOKE_MODELS["mlp_1m"]
+    weights = _run().initial_weights(spec)
+    x, y = models.batch_of(spec, spec.batch_size * 2)
+
+    def state(model):
+        return [np.asarray(v) for v in model.trainable_variables + model.optimizer.variables]
+
+    kept, _ = models.keeping_model("kept", spec, weights, jit_compile, "adam")
+    floor, _ = models.keeping_model(variant, spec, weights, jit_compile, "adam")
+    norms = []
+    for start in (0, spec.batch_size):
+        batch = slice(start, start + spec.batch_size)
+        for model in (kept, floor):
+            model.fit(x[batch], y[batch], batch_size=spec.batch_size, verbose=0)
+        grads = keras.tree.flatten(floor.gradients)
+        norms.append(np.sqrt(sum(np.sum(np.square(np.asarray(g, "float64"))) for g in grads)))
+    # No spike (the window was not full): bit for bit `kept`'s two steps.
+    assert all(np.array_equal(a, b) for a, b in zip(state(kept), state(floor)))
+    window = np.asarray(floor.optimizer.norms)
+    assert np.array_equal(window[:-2], [-1.0] * (models.SPIKE_WINDOW - 2))
+    # Float32 sums of the kept gradients, in another order: a few ulps apart.
+    np.testing.assert_allclose(window[-2:], norms, rtol=1e-6)
+
+
+@pytest.mark.backends("tensorflow", reason="the spike floors are TensorFlow graph floors")
+def test_the_spike_floors_judge_by_the_spike_rule():
+    import tensorflow as tf
+
+    models = load_benchmark("models")
+    spec = models.SMOKE_MODELS["mlp_1m"]
+    floor, _ = models.keeping_model("kept_guard_spike", spec, None, False, "adam")
+    optimizer = floor.optimizer
+    optimizer.build(floor.trainable_variables)
+    full = models.SPIKE_WINDOW
+    # A global norm of 5: sqrt(3^2 + 4^2).
+    grads = [tf.constant([3.0]), tf.constant([[4.0]])]
+
+    def judge(window):
+        optimizer.norms.assign(np.asarray(window, "float32"))
+        return bool(optimizer.judge(grads)), np.asarray(optimizer.norms).tolist()
+
+    # Median 0.4 (half 0.3s, half 0.5s): 5 > 10 * 0.4, a spike; it joins.
+    window = [0.3] * (full // 2) + [0.5] * (full // 2)
+    assert judge(window) == (False, [np.float32(v) for v in window[1:] + [5.0]])
+    # Median 0.5: 5 is not above 10 * 0.5.
+    assert judge([0.5] * full)[0] is True
+    # Not full (one -1 left): never a spike.
+    assert judge([-1.0] + [0.3] * (full - 1))[0] is True
+    # A non-finite norm: bad, and the window left as it was.
+    grads[0] = tf.constant([np.inf])
+    assert judge([0.5] * full) == (False, [0.5] * full)
+    # In a step: a spike's update leaves the weights as they were (the
+    # iteration count, written outside the optimizer's `assign`s, advances).
+    x, y = models.batch_of(spec, spec.batch_size)
+    weights = [np.asarray(v) for v in floor.trainable_variables]
+    optimizer.norms.assign(np.full(full, 1e-6, "float32"))
+    floor.fit(x, y, batch_size=spec.batch_size, verbose=0)
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(weights, floor.trainable_variables))
+    assert int(optimizer.iterations) == 1 and np.asarray(optimizer.norms)[-1] > 1e-5
 
 
 @pytest.mark.slow
