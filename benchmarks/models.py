@@ -286,7 +286,8 @@ def _waiting(optimizer_class, jit_compile, guarded=False, spikes=False):
     strategy of several replicas, the whole update (the skip selects, or
     branches where the replicas meet); else each of the update's writes.
     With `guarded` (one device, no XLA) each of those writes also runs in
-    a `tf.cond` of its own on the judgement, as the skip's do. With
+    a `tf.cond` of its own on the judgement, as the skip's do, the
+    iteration count's too. With
     `spikes` the judgement is also the spike rule of `skip_spike`, bare:
     the global norm (from the same sum) not above `SPIKE_FACTOR` times the
     median of the last `SPIKE_WINDOW` finite norms once that many were
@@ -387,6 +388,19 @@ def _waiting(optimizer_class, jit_compile, guarded=False, spikes=False):
         def _waiting(self):
             return tf.control_dependencies([] if self._judgement is None else [self._judgement])
 
+        def apply(self, grads, trainable_variables=None):
+            if not guarded:
+                return super().apply(grads, trainable_variables)
+            # An exact skip leaves the iteration count as it was too: its
+            # write (outside the optimizer's `assign`s) guarded as theirs.
+            counter = self._iterations
+            counter.assign_add = lambda value: self.assign_add(counter, value)
+            try:
+                return super().apply(grads, trainable_variables)
+            finally:
+                del counter.assign_add
+                self._run = None
+
         def _all_reduce_sum_gradients(self, grads_and_vars):
             reduced = super()._all_reduce_sum_gradients(grads_and_vars)
             if not several_replicas():
@@ -410,12 +424,10 @@ def _waiting(optimizer_class, jit_compile, guarded=False, spikes=False):
             # Only the writes wait, as the skip's guarded writes do: the
             # update's arithmetic overlaps the judgement's pass.
             if guarded:
-                # The branch makes each write wait: no flag needed.
+                # The branch makes each write wait: no flag needed. Set
+                # until `apply` returns, which writes the iteration count.
                 self._run = judgement
-                try:
-                    return super()._backend_apply_gradients(grads, trainable_variables)
-                finally:
-                    self._run = None
+                return super()._backend_apply_gradients(grads, trainable_variables)
             if self._flag is None:
                 with tf.init_scope():
                     self._flag = tf.Variable(False, trainable=False)
