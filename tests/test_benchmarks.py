@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import load_benchmark
 from conftest import run_benchmark
+from test_distribute import _MARK  # noqa: F401  (the subprocess prints with it)
 
 KEEPING = ["plain", "control", "kept", "every10", "hand", "floor", "recompute"]
 QUARTILES = {"median", "q25", "q75"}
@@ -110,7 +111,7 @@ def test_spikes_are_judged_against_the_floor_with_the_spike_rule_bare(tmp_path):
 
 
 @pytest.mark.backends("tensorflow", reason="kept_guard is a TensorFlow graph floor")
-def test_the_guarded_floor_updates_as_keeping_does_and_runs_only_without_xla():
+def test_the_guarded_floor_updates_as_keeping_does_and_runs_without_xla_only():
     models = load_benchmark("models")
     spec = models.SMOKE_MODELS["mlp_1m"]
     weights = _run().initial_weights(spec)
@@ -125,7 +126,7 @@ def test_the_guarded_floor_updates_as_keeping_does_and_runs_only_without_xla():
     # Its branches are always taken: bit for bit the same two Adam steps.
     assert all(np.array_equal(a, b) for a, b in zip(found["kept"], found["kept_guard"]))
     assert len(found["kept"]) == len(found["kept_guard"])
-    with pytest.raises(ValueError, match="without XLA on one device only"):
+    with pytest.raises(ValueError, match="without XLA only"):
         models.keeping_model("kept_guard", spec, weights, True, "adam")
 
 
@@ -199,6 +200,59 @@ def test_the_spike_floors_judge_by_the_spike_rule():
     floor.fit(x, y, batch_size=spec.batch_size, verbose=0)
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, variables))
     assert int(optimizer.iterations) == 0 and np.asarray(optimizer.norms)[-1] > 1e-5
+
+
+def _mirrored_floors():
+    """Under `MirroredStrategy` (2 logical CPUs): each variable's copies,
+    after two steps of `kept` and of `kept_guard`, and after a third step
+    of `kept_guard_spike` whose window was made a spike's."""
+    import tensorflow as tf
+
+    models = load_benchmark("models")
+    spec = models.SMOKE_MODELS["mlp_1m"]
+    weights = _run().initial_weights(spec)
+    x, y = models.batch_of(spec, spec.batch_size * 2)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    found = {}
+
+    def copies(model):
+        variables = model.trainable_variables + model.optimizer.variables
+        values = [v.value for v in variables if v is not getattr(model.optimizer, "norms", 0)]
+        return [[np.asarray(c).tolist() for c in v.values] for v in values]
+
+    for variant in ("kept", "kept_guard", "kept_guard_spike"):
+        with strategy.scope():
+            model, _ = models.keeping_model(variant, spec, weights, False, "adam")
+        found["initial"] = copies(model)[0]
+        model.fit(x, y, batch_size=spec.batch_size, shuffle=False, verbose=0)
+        found[variant] = copies(model)
+    found["iterations"] = [int(c) for c in model.optimizer.iterations.value.values]
+    norms = model.optimizer.norms.value.values
+    found["window"] = [np.asarray(c)[-3:].tolist() for c in norms]
+    for c in norms:
+        c.assign(np.full(models.SPIKE_WINDOW, 1e-6, "float32"))
+    model.fit(x[: spec.batch_size], y[: spec.batch_size], verbose=0)
+    found["spiked"] = copies(model)
+    found["spiked_window"] = [float(np.asarray(c)[-1]) for c in norms]
+    found["spiked_iterations"] = [int(c) for c in model.optimizer.iterations.value.values]
+    return found
+
+
+@pytest.mark.slow
+def test_the_guarded_floors_under_mirrored_update_as_keeping_does_and_skip_a_spike():
+    from test_distribute import _python
+    from test_distribute import _result
+
+    found = _result(_python("_mirrored_floors", devices=2, module="test_benchmarks"))
+    # Their branches always taken: bit for bit the same two Adam steps.
+    assert found["kept_guard"] == found["kept"] == found["kept_guard_spike"]
+    assert found["kept"][0] != found["initial"] and found["iterations"] == [2, 2]
+    # Each replica's window: -1, then the two steps' global norms (alike).
+    windows = found["window"]
+    assert windows[0] == windows[1] and windows[0][0] == -1.0 and min(windows[0][1:]) > 0
+    # A spike: every copy of every variable as it was, the iteration count too.
+    assert found["spiked"] == found["kept_guard_spike"] and found["spiked_iterations"] == [2, 2]
+    assert all(w > 1e-5 for w in found["spiked_window"])
 
 
 @pytest.mark.slow
