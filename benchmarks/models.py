@@ -157,7 +157,7 @@ SKIPPING_FLOORS = (GUARDED_FLOOR, WAITING_FLOOR, SKIPPING_FLOOR, "kept")
 # TensorFlow would (the norm from the judgement's sum, the median of a
 # window variable of the last norms, the comparison, and the window
 # shifted and written once a step). `skip_spike` is judged against the
-# first of them that ran, else as `skip` is.
+# one with the spike rule of `skip`'s floor where it ran, else as `skip`.
 SPIKE_FLOORS = {GUARDED_FLOOR: "kept_guard_spike", WAITING_FLOOR: "kept_wait_spike"}
 # The bare rule's factor and window: `skip_spike`'s.
 SPIKE_FACTOR, SPIKE_WINDOW = 10.0, 100
@@ -331,23 +331,27 @@ def _waiting(optimizer_class, jit_compile, guarded=False, spikes=False):
         norms = None  # with `spikes`: the last norms, oldest first
 
         def build(self, variables):
+            if self.built:
+                return
             super().build(variables)
-            if guarded and tf.distribute.get_strategy().num_replicas_in_sync > 1:
+            strategy = self._distribution_strategy
+            if guarded and strategy.num_replicas_in_sync > 1:
                 self._runs = {}
                 # The iteration count's copies are written where the
                 # replicas meet, each in a branch on its replica's judgement.
                 for replica, copy in enumerate(self._iterations.value.values):
                     self._guard_copy(copy, replica)
             if spikes:
-                # As a metric's variable: each replica's own, written in place.
-                self.norms = keras.Variable(
-                    keras.initializers.Constant(-1.0),
-                    shape=(SPIKE_WINDOW,),
-                    trainable=False,
-                    synchronization="on_read",
-                    aggregation="sum",
-                    name="norms",
-                )
+                # As the skip's window: each replica's own, written in place.
+                with strategy.scope():
+                    self.norms = keras.Variable(
+                        keras.initializers.Constant(-1.0),
+                        shape=(SPIKE_WINDOW,),
+                        trainable=False,
+                        synchronization="on_read",
+                        aggregation="only_first_replica",
+                        name="norms",
+                    )
 
         def judge(self, grads):
             # One pass per gradient, as the skip's judgement makes (`l2_loss`).
@@ -356,14 +360,18 @@ def _waiting(optimizer_class, jit_compile, guarded=False, spikes=False):
             good = tf.math.is_finite(total)
             if not spikes:
                 return good
-            norm = tf.sqrt(2.0 * total)  # an `l2_loss` is half a sum of squares
+            # An `l2_loss` is half a sum of squares. (A sparse gradient's
+            # rows are summed as they are, repeated indices too: a floor
+            # that does less than the skip, which densifies them first.)
+            norm = tf.sqrt(2.0 * total)
             norms = self.norms.value
             ordered = tf.sort(norms)
             half = SPIKE_WINDOW // 2
             median = (ordered[(SPIKE_WINDOW - 1) // 2] + ordered[half]) / 2.0
             spiked = tf.logical_and(ordered[0] > -1.0, norm > SPIKE_FACTOR * median)
             shifted = tf.concat([norms[1:], tf.reshape(norm, (1,))], 0)
-            self.norms.assign(tf.where(good, shifted, norms))
+            joins = tf.logical_and(good, tf.math.is_finite(norm))
+            self.norms.assign(tf.where(joins, shifted, norms))
             return tf.logical_and(good, tf.logical_not(spiked))
 
         def judged(self, grads):
@@ -435,7 +443,7 @@ def _waiting(optimizer_class, jit_compile, guarded=False, spikes=False):
             tf.cond(run, applied, lambda: tf.constant(False))
 
         def apply(self, grads, trainable_variables=None):
-            if not guarded or self._runs is not None:
+            if not guarded or several_replicas():
                 return super().apply(grads, trainable_variables)
             # An exact skip leaves the iteration count as it was too: its
             # write (outside the optimizer's `assign`s) guarded as theirs.

@@ -238,14 +238,7 @@ def keeping(args, specs, mode):
                 steps = args.steps or calibrate(runners["plain", 0], pass_seconds)
             log(f"  {name} jit={jit_compile}: {steps} steps/pass")
             runs = [time_rounds(runners, args.rounds or rounds, passes, steps)]
-            # Skipping bad steps is judged against the least an exact skip
-            # can cost that ran (`models.SKIPPING_FLOORS`; for spikes, that
-            # with the spike rule bare, `models.SPIKE_FLOORS`, where it ran):
-            # met within noise.
-            floor = next(f for f in models.SKIPPING_FLOORS if f in variants or f == "kept")
-            spike_floor = models.SPIKE_FLOORS.get(floor)
-            floors = dict(skip=floor, skip_spike=spike_floor if spike_floor in variants else floor)
-            skipping = [(v, floors[v]) for v in models.SKIPPING if v in variants]
+            skipping = list(skipping_floors(variants).items())
             summary = dict(
                 pairs=[("kept", "floor")] * ("floor" in variants) + skipping,
                 targets=(
@@ -304,6 +297,17 @@ def xla_cost(compiled, spec):
     extra = found["kept"]["bytes"] - found["plain"]["bytes"]
     found["extra_bytes_in_parameter_writes"] = extra / (4 * params_of(compiled["plain"]))
     return found
+
+
+def skipping_floors(variants):
+    """`{skipping variant: its floor}` for those of `models.SKIPPING` in
+    `variants`: the least an exact skip can cost that ran
+    (`models.SKIPPING_FLOORS`), for spikes that floor with the spike rule
+    bare (`models.SPIKE_FLOORS`) where it ran. Met within noise."""
+    floor = next(f for f in models.SKIPPING_FLOORS if f in variants or f == "kept")
+    spike_floor = models.SPIKE_FLOORS.get(floor)
+    floors = dict(skip=floor, skip_spike=spike_floor if spike_floor in variants else floor)
+    return {v: floors[v] for v in models.SKIPPING if v in variants}
 
 
 def op_counts(name, spec, optimizer):

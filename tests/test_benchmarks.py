@@ -85,29 +85,38 @@ def test_keeping_smoke_writes_every_promised_number(tmp_path):
 def test_skipping_is_judged_against_keeping_plus_a_judgement_the_update_waits_for(tmp_path, floor):
     variants = ["kept", "kept_pass", "kept_wait", "kept_lso", "skip", "skip_spike"]
     if floor == "kept_guard":
-        variants.insert(3, floor)
+        # With its spike floor: spikes are judged against that.
+        variants[3:3] = [floor, "kept_guard_spike"]
     args = ("keeping", "--smoke", "--models", "mlp_1m", "--variants", *variants)
     _, result = run_benchmark(tmp_path, *args)
     (config,) = result["configs"]
     assert list(config["step_ms"]) == ["plain", "control", *variants]
-    for variant in ("skip", "skip_spike"):
-        assert f"{variant} - {floor}" in config["wall"]["pairs"]
+    floors = {"skip": floor, "skip_spike": floor + "_spike" * (floor == "kept_guard")}
+    for variant, its_floor in floors.items():
+        assert f"{variant} - {its_floor}" in config["wall"]["pairs"]
         verdict = config["verdicts"][variant]
-        expected = (0.02, floor, 0.0)
+        expected = (0.02, its_floor, 0.0)
         assert (verdict["target"], verdict["floor"], verdict["tolerance"]) == expected
 
 
-@pytest.mark.slow
-def test_spikes_are_judged_against_the_floor_with_the_spike_rule_bare(tmp_path):
-    variants = ["kept", "kept_wait", "kept_wait_spike", "kept_guard", "kept_guard_spike"]
-    variants += ["skip", "skip_spike"]
-    args = ("keeping", "--smoke", "--models", "mlp_1m", "--variants", *variants)
-    _, result = run_benchmark(tmp_path, *args)
-    (config,) = result["configs"]
-    assert list(config["step_ms"]) == ["plain", "control", *variants]
-    floors = {v: config["verdicts"][v]["floor"] for v in ("skip", "skip_spike")}
-    assert floors == {"skip": "kept_guard", "skip_spike": "kept_guard_spike"}
-    assert {"skip - kept_guard", "skip_spike - kept_guard_spike"} <= set(config["wall"]["pairs"])
+@pytest.mark.parametrize(
+    "floors, expected",
+    [
+        (
+            ["kept_guard", "kept_guard_spike", "kept_wait", "kept_wait_spike"],
+            {"skip": "kept_guard", "skip_spike": "kept_guard_spike"},
+        ),
+        (["kept_wait", "kept_wait_spike"], {"skip": "kept_wait", "skip_spike": "kept_wait_spike"}),
+        # Without the spike floor of the skip's floor: the skip's floor.
+        (["kept_guard", "kept_wait_spike"], {"skip": "kept_guard", "skip_spike": "kept_guard"}),
+        (["kept_pass", "kept_wait_spike"], {"skip": "kept_pass", "skip_spike": "kept_pass"}),
+        ([], {"skip": "kept", "skip_spike": "kept"}),
+    ],
+)
+def test_skipping_and_spikes_are_judged_against_the_floors_that_ran(floors, expected):
+    variants = ["kept", *floors, "skip", "skip_spike"]
+    assert _run().skipping_floors(variants) == expected
+    assert _run().skipping_floors(variants[:-1]) == {"skip": expected["skip"]}
 
 
 @pytest.mark.backends("tensorflow", reason="kept_guard is a TensorFlow graph floor")
@@ -257,14 +266,15 @@ def test_the_guarded_floors_under_mirrored_update_as_keeping_does_and_skip_a_spi
 
 @pytest.mark.slow
 def test_keeping_smoke_times_skipping_under_mirrored(tmp_path):
-    variants = ["kept", "kept_wait", "skip"]
+    variants = ["kept", "kept_wait", "kept_guard", "kept_guard_spike", "skip", "skip_spike"]
     args = ("keeping", "--smoke", "--mirrored", "--models", "mlp_1m", "--variants", *variants)
     _, result = run_benchmark(tmp_path, *args)
     (config,) = result["configs"]
     assert (config["replicas"], config["jit_compile"]) == (2, False)
     assert list(config["step_ms"]) == ["plain", "control", *variants]
-    assert config["verdicts"]["skip"]["floor"] == "kept_wait"
-    assert "skip - kept_wait" in config["wall"]["pairs"]
+    floors = {v: config["verdicts"][v]["floor"] for v in ("skip", "skip_spike")}
+    assert floors == {"skip": "kept_guard", "skip_spike": "kept_guard_spike"}
+    assert {"skip - kept_guard", "skip_spike - kept_guard_spike"} <= set(config["wall"]["pairs"])
 
 
 @pytest.mark.slow
