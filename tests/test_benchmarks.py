@@ -248,6 +248,7 @@ def _mirrored_floors():
 
 
 @pytest.mark.slow
+@pytest.mark.backends("tensorflow", reason="the guarded floors are TensorFlow graph floors")
 def test_the_guarded_floors_under_mirrored_update_as_keeping_does_and_skip_a_spike():
     from test_distribute import _python
     from test_distribute import _result
