@@ -335,11 +335,15 @@ def _waiting(optimizer_class, jit_compile, guarded=False, spikes=False):
                 return
             super().build(variables)
             strategy = self._distribution_strategy
-            if guarded and strategy.num_replicas_in_sync > 1:
-                self._runs = {}
-                # The iteration count's copies are written where the
-                # replicas meet, each in a branch on its replica's judgement.
-                for replica, copy in enumerate(self._iterations.value.values):
+            if guarded:
+                if strategy.num_replicas_in_sync > 1:
+                    self._runs = {}
+                # An exact skip leaves the iteration count as it was too,
+                # which Keras writes outside the optimizer's `assign`s: each
+                # copy (a replica's, written where the replicas meet) in a
+                # branch on its judgement.
+                count = self._iterations.value
+                for replica, copy in enumerate(strategy.experimental_local_results(count)):
                     self._guard_copy(copy, replica)
             if spikes:
                 # As the skip's window: each replica's own, written in place.
@@ -404,6 +408,8 @@ def _waiting(optimizer_class, jit_compile, guarded=False, spikes=False):
             return tf.control_dependencies([] if self._judgement is None else [self._judgement])
 
         def _run_of(self, replica):
+            if self._runs is None:
+                return self._run  # one device
             return self._runs.get((tf.compat.v1.get_default_graph(), replica))
 
         def _guard_copy(self, copy, replica):
@@ -431,6 +437,7 @@ def _waiting(optimizer_class, jit_compile, guarded=False, spikes=False):
 
         def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
             update = super()._distributed_tf_update_step
+            # On one device each write is guarded instead.
             run = None if self._runs is None else self._run_of(0)
             if run is None:
                 return update(distribution, grads_and_vars, learning_rate)
@@ -443,17 +450,10 @@ def _waiting(optimizer_class, jit_compile, guarded=False, spikes=False):
             tf.cond(run, applied, lambda: tf.constant(False))
 
         def apply(self, grads, trainable_variables=None):
-            if not guarded or several_replicas():
-                return super().apply(grads, trainable_variables)
-            # An exact skip leaves the iteration count as it was too: its
-            # write (outside the optimizer's `assign`s) guarded as theirs.
-            counter = self._iterations
-            counter.assign_add = lambda value: self.assign_add(counter, value)
             try:
                 return super().apply(grads, trainable_variables)
             finally:
-                del counter.assign_add
-                self._run = None
+                self._run = None  # set by `_backend_apply_gradients`
 
         def _all_reduce_sum_gradients(self, grads_and_vars):
             reduced = super()._all_reduce_sum_gradients(grads_and_vars)
