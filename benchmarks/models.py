@@ -317,6 +317,14 @@ def _waiting(optimizer_class, jit_compile, guarded=False, spikes=False):
         shape = tf.shape(g)
         return tf.reshape(g, tf.where(finite, shape, shape))
 
+    def written_if(run, write):
+        # `write()` in a branch taken where `run` holds; whether it was.
+        def written():
+            write()
+            return tf.constant(True)
+
+        return tf.cond(run, written, lambda: tf.constant(False))
+
     class Waiting(optimizer_class):
         # On one device without XLA: while the update is traced, the write
         # of the step's judgement into `_flag` (a stateful op, whose control
@@ -385,12 +393,7 @@ def _waiting(optimizer_class, jit_compile, guarded=False, spikes=False):
         def _guarded(self, write):
             if self._run is None:
                 return write()
-
-            def written():
-                write()
-                return tf.constant(True)
-
-            tf.cond(self._run, written, lambda: tf.constant(False))
+            written_if(self._run, write)
 
         def assign(self, variable, value):
             with self._waiting():
@@ -418,12 +421,7 @@ def _waiting(optimizer_class, jit_compile, guarded=False, spikes=False):
                     run = self._run_of(replica)
                     if run is None:  # not in a step
                         return method(value, use_locking, name, read_value)
-
-                    def written():
-                        method(value, read_value=False)
-                        return tf.constant(True)
-
-                    done = tf.cond(run, written, lambda: tf.constant(False))
+                    done = written_if(run, lambda: method(value, read_value=False))
                     if not read_value:
                         return done.op
                     with tf.control_dependencies([done]):
@@ -441,13 +439,8 @@ def _waiting(optimizer_class, jit_compile, guarded=False, spikes=False):
             run = None if self._runs is None else self._run_of(0)
             if run is None:
                 return update(distribution, grads_and_vars, learning_rate)
-
-            def applied():
-                update(distribution, grads_and_vars, learning_rate)
-                return tf.constant(True)
-
             # Where the replicas meet, all judged the same global gradients.
-            tf.cond(run, applied, lambda: tf.constant(False))
+            written_if(run, lambda: update(distribution, grads_and_vars, learning_rate))
 
         def apply(self, grads, trainable_variables=None):
             try:
