@@ -5,31 +5,56 @@
 # TensorFlow, JAX and PyTorch (under JAX and PyTorch, `tests` collects the
 # contract's modules and that backend's directory: tests/conftest.py). CI's
 # full suite covers the newest set.
+#
+# `oldest.sh prepare DIR` makes and checks the venv in DIR, `oldest.sh test
+# DIR` runs the suite in it (.ci/run prepares while the main suite runs, as
+# installing waits mostly on the disk); `oldest.sh` alone does both.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 start=$SECONDS
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-python3 -m venv "$work/venv"
-# shellcheck disable=SC1091
-source "$work/venv/bin/activate"
-export PIP_QUIET=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
-# torch==2.13.0 is the CPU wheel this machine carries (a bare `torch` would
-# take the multi-GB CUDA build).
-oldest=(keras==3.10.0 tensorflow-cpu==2.19.0 tensorboard==2.19.0 jax==0.6.0 jaxlib==0.6.0 torch==2.13.0)
-python -m pip install "${oldest[@]}"
-versions() {
-    python -c 'import importlib.metadata as m, sys; print(*(n + "==" + m.version(n) for n in sys.argv[1:]))' \
-        keras tensorflow-cpu tensorboard jax jaxlib torch numpy
-}
-before="$(versions)"
-# `test`: pytest, and the JAX and PyTorch the backend suites need.
-python -m pip install -e "$repo[cpu,test]"
-if [ "$(versions)" != "$before" ]; then
-    echo "installing keras_keepgrad moved: $before -> $(versions)" >&2
-    exit 1
+step="${1:-all}"
+case "$step" in
+all | prepare | test) ;;
+*)
+    echo "usage: oldest.sh [prepare DIR | test DIR]; received: $step" >&2
+    exit 2
+    ;;
+esac
+if [ "$step" = all ]; then
+    work="$(mktemp -d)"
+    trap 'rm -rf "$work"' EXIT
+else
+    work="${2:?usage: oldest.sh [prepare DIR | test DIR]}"
 fi
-echo "oldest set, unmoved by the install: $before ($((SECONDS - start)) s)"
+prepare() {
+    python3 -m venv "$work/venv"
+    # shellcheck disable=SC1091
+    source "$work/venv/bin/activate"
+    export PIP_QUIET=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+    # torch==2.13.0 is the CPU wheel this machine carries (a bare `torch` would
+    # take the multi-GB CUDA build).
+    oldest=(keras==3.10.0 tensorflow-cpu==2.19.0 tensorboard==2.19.0 jax==0.6.0 jaxlib==0.6.0 torch==2.13.0)
+    python -m pip install "${oldest[@]}"
+    versions() {
+        python -c 'import importlib.metadata as m, sys; print(*(n + "==" + m.version(n) for n in sys.argv[1:]))' \
+            keras tensorflow-cpu tensorboard jax jaxlib torch numpy
+    }
+    before="$(versions)"
+    # `test`: pytest, and the JAX and PyTorch the backend suites need.
+    python -m pip install -e "$repo[cpu,test]"
+    if [ "$(versions)" != "$before" ]; then
+        echo "installing keras_keepgrad moved: $before -> $(versions)" >&2
+        exit 1
+    fi
+    echo "oldest set, unmoved by the install: $before ($((SECONDS - start)) s)"
+}
+if [ "$step" = test ]; then
+    # shellcheck disable=SC1091
+    source "$work/venv/bin/activate"
+else
+    prepare
+fi
+[ "$step" = prepare ] && exit 0
 cd "$repo"
 # The Keras-suite harness test reads Keras's own trainers/trainer_test.py,
 # which Keras's wheels ship from 3.15 on only.
