@@ -65,7 +65,7 @@ print(sorted(history.history))
 assert "grad_norm" in history.history and "grad_norm/hidden" in history.history
 results = model.evaluate(x, y, verbose=0, return_dict=True)
 # Rounded as the progress bar rounds: a float32's last digit can differ
-# between two runs on one machine.
+# from one machine to another.
 print("evaluate:", {name: round(value, 4) for name, value in results.items()})
 assert "grad_norm" not in results
 
