@@ -13,19 +13,17 @@ set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 start=$SECONDS
 step="${1:-all}"
-case "$step" in
-all | prepare | test) ;;
+case "$step:${2:-}" in
+all:)
+    work="$(mktemp -d)"
+    trap 'rm -rf "$work"' EXIT
+    ;;
+prepare:?* | test:?*) work="$2" ;;
 *)
-    echo "usage: oldest.sh [prepare DIR | test DIR]; received: $step" >&2
+    echo "usage: oldest.sh [prepare DIR | test DIR]; received: $*" >&2
     exit 2
     ;;
 esac
-if [ "$step" = all ]; then
-    work="$(mktemp -d)"
-    trap 'rm -rf "$work"' EXIT
-else
-    work="${2:?usage: oldest.sh [prepare DIR | test DIR]}"
-fi
 prepare() {
     python3 -m venv "$work/venv"
     # shellcheck disable=SC1091
@@ -71,8 +69,6 @@ KERAS_BACKEND=jax XLA_FLAGS=--xla_force_host_platform_device_count=2 \
 KERAS_BACKEND=torch \
     python -m pytest -q -n auto -m "not slow" -p no:cacheprovider -k "not jit" \
     tests/torch_backend
-if [ "$step" = test ]; then
-    echo "oldest set: tested in $((SECONDS - start)) s"
-else
-    echo "oldest set: installed and tested in $((SECONDS - start)) s"
-fi
+done="installed and tested"
+[ "$step" = test ] && done="tested"
+echo "oldest set: $done in $((SECONDS - start)) s"
