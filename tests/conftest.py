@@ -69,22 +69,44 @@ def pytest_configure(config):
         "backends(*names, reason): the test runs on the named Keras backends only "
         "and is deselected (not skipped) on the others; `reason` says why",
     )
+    config.addinivalue_line(
+        "markers",
+        "not_compiled_on_torch(reason): the test's `jit` case is deselected on "
+        "PyTorch (its other modes run there); `reason` names the compiled case "
+        "that crosses the same graph breaks",
+    )
 
 
-def pytest_collection_modifyitems(config, items):
-    selected, deselected = [], []
-    for item in items:
-        marker = item.get_closest_marker("backends")
-        if marker is None:
-            selected.append(item)
-            continue
+def _runs_here(item):
+    """Whether `item` runs on this backend (its `backends` and
+    `not_compiled_on_torch` marks)."""
+    marker = item.get_closest_marker("backends")
+    if marker is not None:
         unknown = set(marker.args) - set(BACKENDS)
         if not marker.args or unknown or not marker.kwargs.get("reason"):
             raise pytest.UsageError(
                 f"{item.nodeid}: `backends` takes backend names among {BACKENDS} and a "
                 f"`reason`. Received: args={marker.args}, kwargs={marker.kwargs}"
             )
-        (selected if BACKEND in marker.args else deselected).append(item)
+        if BACKEND not in marker.args:
+            return False
+    marker = item.get_closest_marker("not_compiled_on_torch")
+    if marker is not None:
+        if marker.args or not marker.kwargs.get("reason"):
+            raise pytest.UsageError(
+                f"{item.nodeid}: `not_compiled_on_torch` takes a `reason` alone. "
+                f"Received: args={marker.args}, kwargs={marker.kwargs}"
+            )
+        callspec = getattr(item, "callspec", None)
+        if BACKEND == "torch" and callspec is not None and "jit" in callspec.id.split("-"):
+            return False
+    return True
+
+
+def pytest_collection_modifyitems(config, items):
+    selected, deselected = [], []
+    for item in items:
+        (selected if _runs_here(item) else deselected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected

@@ -81,7 +81,19 @@ def guide_model(cls=GuideStep, dtype=None):
 
 
 @GUIDE_BACKENDS
-@pytest.mark.parametrize("optimizer", ["sgd", "loss_scale"])
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        "sgd",
+        # The unscaling under torch.compile: tests/torch_backend.
+        pytest.param(
+            "loss_scale",
+            marks=pytest.mark.not_compiled_on_torch(
+                reason="test_loss_scale_optimizer_keeps_the_unscaled_gradient_once"
+            ),
+        ),
+    ],
+)
 def test_the_guides_own_step_keeps_5w(mode, optimizer):
     model = guide_model()
     opt = keras.optimizers.SGD(0.1)
@@ -258,7 +270,13 @@ class OneWeightGAN(kg.KeepGradModel):
 
 
 @GAN_BACKENDS
-@pytest.mark.parametrize("penalty", [0.0, 1.0])
+@pytest.mark.parametrize(
+    "penalty",
+    [
+        pytest.param(0.0, marks=pytest.mark.not_compiled_on_torch(reason="the 1.0 case")),
+        1.0,
+    ],
+)
 def test_a_gan_keeps_what_each_of_its_optimizers_receives(mode, penalty):
     gan = OneWeightGAN(penalty=penalty)
     gan.compile(
@@ -1026,7 +1044,16 @@ def two_outs(update, names=("out", "out"), **compile_kwargs):
 SHARED_OUT = r"share the paths 'out/bias', 'out/kernel': one .* distinct `name`s"
 
 
-@pytest.mark.parametrize("update", ["keras", "one", "two", "keep"])
+@pytest.mark.parametrize(
+    "update",
+    [
+        "keras",
+        *(
+            pytest.param(update, marks=pytest.mark.not_compiled_on_torch(reason="the keras case"))
+            for update in ("one", "two", "keep")
+        ),
+    ],
+)
 def test_variables_sharing_a_path_raise_before_anything_changes(mode, update):
     model = two_outs(update, **mode)
     with pytest.raises(ValueError, match=SHARED_OUT):
@@ -1049,6 +1076,9 @@ def test_variables_sharing_a_path_raise_before_anything_changes(mode, update):
     reason="a stateful train_step (mse_gradients); JAX's steps are stateless, and "
     "two optimizers' stateless_apply are checked by "
     "test_variables_sharing_a_path_raise_before_anything_changes",
+)
+@pytest.mark.not_compiled_on_torch(
+    reason="raised where test_variables_sharing_a_path_raise_before_anything_changes's are"
 )
 def test_paths_that_collide_across_two_optimizers_raise(mode):
     # The second sub-model is not an attribute, so not the model's: its

@@ -87,6 +87,9 @@ def test_inputs_of_unknown_shape_keep_the_variables_shape(mode):
     assert model.get_weights()[0][0, 0] == 1.5
 
 
+@pytest.mark.not_compiled_on_torch(
+    reason="the steps one by one: test_keep_every_writes_steps_1_3_5_and_holds_between"
+)
 def test_every_batch_is_kept_in_order(mode):
     # Three identical batches: 5w with w = 3, 1.5, 0.75.
     model = one_weight()
@@ -98,6 +101,9 @@ def test_every_batch_is_kept_in_order(mode):
     assert "no kept gradients yet" in str(rec.at_begin)
 
 
+@pytest.mark.not_compiled_on_torch(
+    reason="train_on_batch runs fit's step: test_kept_gradient_is_5w_and_the_sgd_step"
+)
 def test_train_on_batch_keeps_gradients(mode):
     model = one_weight()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **mode)
@@ -432,6 +438,9 @@ def _embedding_pair(make_optimizer, compile_options, **options):
     )
 
 
+@pytest.mark.not_compiled_on_torch(
+    reason="a dense gradient on PyTorch: test_kept_gradient_is_5w_and_the_sgd_step"
+)
 @pytest.mark.parametrize("mode_name", list(MODES))
 def test_embedding_gradient_is_dense_with_repeated_ids_summed(mode_name):
     ids = np.array([[1, 1, 3], [0, 1, 4]], dtype="int32")
@@ -1140,6 +1149,9 @@ def test_keep_every_writes_steps_1_3_5_and_holds_between(mode):
     assert model.get_config()["keep_every"] == 2
 
 
+@pytest.mark.not_compiled_on_torch(
+    reason="the steps one by one: test_keep_every_writes_steps_1_3_5_and_holds_between"
+)
 @pytest.mark.parametrize("keep_every", [1, 2])
 def test_kept_step_says_which_step_the_slots_hold(mode, keep_every):
     model = one_weight(keep_every=keep_every)

@@ -295,9 +295,15 @@ def test_a_metric_and_two_callbacks_read_the_step_statistics(tmp_path, monkeypat
     stats_cases.metric_and_two_callbacks_read_the_step_statistics(tmp_path, monkeypatch, **mode)
 
 
+@pytest.mark.not_compiled_on_torch(
+    reason="the statistics' reads: test_a_metric_and_two_callbacks_read_the_step_statistics"
+)
 def test_step_statistics_under_keep_every_describe_the_kept_step(monkeypatch, mode):
     stats_cases.keep_every_describes_the_step_the_slots_hold(monkeypatch, **mode)
 
 
+@pytest.mark.not_compiled_on_torch(
+    reason="the statistics' reads: test_a_metric_and_two_callbacks_read_the_step_statistics"
+)
 def test_step_statistics_of_a_nonfinite_step(tmp_path, mode):
     stats_cases.a_nonfinite_step_is_recorded_and_reported(tmp_path, **mode)

@@ -158,7 +158,19 @@ def test_keep_every_labels_across_executions_and_fits(tmp_path):
     assert fit("second") == [("3.npz", 3, 0.234375)]
 
 
-@pytest.mark.parametrize("own_step", [False, True], ids=["keras_step", "own_step"])
+@pytest.mark.parametrize(
+    "own_step",
+    [
+        pytest.param(
+            False,
+            id="keras_step",
+            marks=pytest.mark.not_compiled_on_torch(
+                reason="Keras's step: test_metrics_of_a_model_built_by_its_first_batch"
+            ),
+        ),
+        pytest.param(True, id="own_step"),
+    ],
+)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_callbacks_of_a_model_built_by_its_first_batch(tmp_path, mode, own_step):
     # 5w = 15, then w = 3 - 0.1 * 15 = 1.5 and 5w = 7.5.
