@@ -71,7 +71,7 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
-        "not_compiled_on_torch(reason): the test's `jit` case is deselected on "
+        "not_compiled_on_torch(reason): the test's `jit` case (its id has `jit`) is deselected on "
         "PyTorch (its other modes run there); `reason` names the compiled case "
         "that crosses the same graph breaks",
     )

@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 
+import conftest
 import pytest
 from conftest import CONTRACT
 from conftest import REPO
@@ -40,6 +41,43 @@ PARTS = (
 def test_the_parts_cover_the_contract():
     names = [name for part in PARTS for name in part]
     assert sorted(names) == sorted(CONTRACT + ("{backend}_backend",))
+
+
+class _Item:
+    """What `conftest._runs_here` reads of a collected test."""
+
+    def __init__(self, callspec_id, *marks):
+        self.nodeid = f"t[{callspec_id}]"
+        self.callspec = type("CallSpec", (), {"id": callspec_id})
+        self.marks = {mark.name: mark for mark in marks}
+
+    def get_closest_marker(self, name):
+        return self.marks.get(name)
+
+
+@pytest.mark.parametrize("backend", conftest.BACKENDS)
+def test_a_case_not_compiled_on_torch_runs_but_its_jit_case_there(backend, monkeypatch):
+    monkeypatch.setattr(conftest, "BACKEND", backend)
+    marked = pytest.mark.not_compiled_on_torch(reason="another case").mark
+    found = {
+        callspec_id: conftest._runs_here(_Item(callspec_id, marked))
+        for callspec_id in ("eager", "jit", "jit-sgd", "eager-jitter", "True")
+    }
+    runs = backend != "torch"
+    assert found == {
+        "eager": True,
+        "jit": runs,
+        "jit-sgd": runs,
+        "eager-jitter": True,
+        "True": True,
+    }
+    assert conftest._runs_here(_Item("jit")) is True
+    # On the backends it names only, and its jit case not on PyTorch.
+    only_torch = pytest.mark.backends("torch", reason="PyTorch's own").mark
+    assert conftest._runs_here(_Item("eager", only_torch, marked)) is (backend == "torch")
+    assert conftest._runs_here(_Item("jit", only_torch, marked)) is False
+    with pytest.raises(pytest.UsageError, match="takes a `reason` alone"):
+        conftest._runs_here(_Item("jit", pytest.mark.not_compiled_on_torch().mark))
 
 
 def _run_suite(backend, part, **env):
