@@ -536,7 +536,7 @@ def test_two_gradient_metrics_of_one_name_are_refused_before_training():
             True,
             id="own_step",
             marks=pytest.mark.not_compiled_on_torch(
-                reason="an own step: test_the_guides_own_step_keeps_5w"
+                reason="an own step built so: test_callbacks_of_a_model_built_by_its_first_batch"
             ),
         ),
     ],
@@ -563,7 +563,7 @@ def test_per_layer_keys_of_a_model_built_by_its_first_batch_are_checked(mode, ow
 
 
 @pytest.mark.not_compiled_on_torch(
-    reason="a metric's update and result: test_metrics_of_a_model_built_by_its_first_batch"
+    reason="raised as test_a_gradient_metric_error_comes_before_anything_changes's are"
 )
 def test_a_metric_updated_before_the_update_raises_in_a_model_built_by_its_first_batch(mode):
     # Its trainable variables are read when the metric asks, not as the
