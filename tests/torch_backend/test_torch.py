@@ -47,9 +47,9 @@ def user_warnings(fn, *args, **kwargs):
 
 # Where the behaviour must not change: eager, and compiled with `torch.compile`.
 JIT = pytest.mark.parametrize("jit_compile", [False, True], ids=["eager", "jit"])
-# Keras's `apply` and the keeping run eagerly under `torch.compile`
-# (Keras disables compiling `apply`): a compiled case of these crosses the
-# graph breaks that the compiled case of
+# The keeping and the update it wraps (`apply`) run eagerly under
+# `torch.compile` (`_capture._outside_torch_compile`): a compiled case of
+# these crosses the graph breaks that the compiled case of
 # test_an_update_that_writes_its_gradients_is_kept_as_it_received_them does.
 EAGER_UNDER_COMPILE = pytest.mark.not_compiled_on_torch(
     reason="test_an_update_that_writes_its_gradients_is_kept_as_it_received_them"
