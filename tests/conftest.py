@@ -112,6 +112,25 @@ def pytest_collection_modifyitems(config, items):
         items[:] = selected
 
 
+def computed_once(tmp_path_factory, name, compute):
+    """`compute()`, a JSON value, computed once in a test run however many
+    test workers (`pytest -n`) ask for it: each worker has its own copy of
+    a module-scoped fixture, so a fixture that runs a subprocess for a
+    minute would run once per worker. The first computes it under a file
+    lock in the run's shared temporary directory, the others read it."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return compute()
+    import filelock
+
+    path = tmp_path_factory.getbasetemp().parent / f"{name}.json"
+    with filelock.FileLock(f"{path}.lock"):
+        if path.exists():
+            return json.loads(path.read_text())
+        value = compute()
+        path.write_text(json.dumps(value))
+    return value
+
+
 def keras_histogram_tag(path):
     """The tag of Keras's own TensorBoard weight histogram of variable `path`.
 

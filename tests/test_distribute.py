@@ -27,6 +27,7 @@ import warnings
 import numpy as np
 import pytest
 from conftest import REPO
+from conftest import computed_once
 from conftest import free_ports
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -82,21 +83,31 @@ def _result(process, timeout=TIMEOUT):
 
 
 @pytest.fixture(scope="module")
-def mirrored():
+def mirrored(tmp_path_factory):
     """The MirroredStrategy scenarios, run on 2 logical CPUs."""
-    return _result(_python("_mirrored_scenarios", devices=2))
+    return computed_once(
+        tmp_path_factory,
+        "distribute_mirrored",
+        lambda: _result(_python("_mirrored_scenarios", devices=2)),
+    )
 
 
 @pytest.fixture(scope="module")
-def mirrored_metrics():
+def mirrored_metrics(tmp_path_factory):
     """Gradient metrics made outside the MirroredStrategy's scope, on 2 logical CPUs."""
-    return _result(_python("_metrics_outside_scenarios", devices=2))
+    return computed_once(
+        tmp_path_factory,
+        "distribute_mirrored_metrics",
+        lambda: _result(_python("_metrics_outside_scenarios", devices=2)),
+    )
 
 
 @pytest.fixture(scope="module")
-def workers():
+def workers(tmp_path_factory):
     """Two `MultiWorkerMirroredStrategy` workers on 127.0.0.1, one CPU each."""
-    return _workers("_worker_scenario")
+    return computed_once(
+        tmp_path_factory, "distribute_workers", lambda: _workers("_worker_scenario")
+    )
 
 
 def _workers(entry, module="test_distribute"):

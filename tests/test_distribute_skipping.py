@@ -19,6 +19,7 @@ on each replica's copy: a value where all copies hold the same bits.
 import numpy as np
 import pytest
 import test_distribute
+from conftest import computed_once
 from test_distribute import _MARK  # noqa: F401  (the subprocess prints with it)
 from test_distribute import _fit
 from test_distribute import _ok
@@ -31,16 +32,26 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def mirrored():
+def mirrored(tmp_path_factory):
     """The scenarios under `MirroredStrategy` on 2 logical CPUs."""
-    return _result(_python("_skipping_scenarios", devices=2, module="test_distribute_skipping"))
+    return computed_once(
+        tmp_path_factory,
+        "distribute_skipping_mirrored",
+        lambda: _result(
+            _python("_skipping_scenarios", devices=2, module="test_distribute_skipping")
+        ),
+    )
 
 
 @pytest.fixture(scope="module")
-def workers():
+def workers(tmp_path_factory):
     """The scenarios under `MultiWorkerMirroredStrategy`: two worker
     processes of one CPU each, `[worker 0's results, worker 1's]`."""
-    return _workers("_worker_skipping_scenarios", module="test_distribute_skipping")
+    return computed_once(
+        tmp_path_factory,
+        "distribute_skipping_workers",
+        lambda: _workers("_worker_skipping_scenarios", module="test_distribute_skipping"),
+    )
 
 
 @pytest.fixture(params=["mirrored", "worker 0", "worker 1"])

@@ -23,6 +23,7 @@ import pytest
 from conftest import REPO
 from conftest import X
 from conftest import Y
+from conftest import computed_once
 from conftest import one_weight
 
 import keras_keepgrad as kg
@@ -68,7 +69,11 @@ def test_first_bad_replica_raises_as_gradients_do():
 
 
 @pytest.fixture(scope="module")
-def mirrored():
+def mirrored(tmp_path_factory):
+    return computed_once(tmp_path_factory, "replicas_mirrored", _mirrored)
+
+
+def _mirrored():
     code = _PRELUDE.format(repo=REPO, here=HERE)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     process = subprocess.Popen(
