@@ -262,7 +262,11 @@ SCALINGS = {
 }
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.not_compiled_on_torch(
+    reason="tests/torch_backend: test_loss_scale_optimizer_keeps_the_unscaled_gradient_once, "
+    "test_mixed_precision_is_unscaled_under_jit_compile"
+)
+@pytest.mark.parametrize("jit", [False, True], ids=["no_jit", "jit"])
 def test_kept_gradients_are_unscaled_in_every_scaling_mode(jit):
     seen = {}
     for name, make in SCALINGS.items():
