@@ -103,6 +103,21 @@ def _runs_here(item):
     return True
 
 
+def compiled_on_torch_only(values, compiled, reason, ids=None):
+    """`pytest.param`s of `values` for a parametrize, of which those not in
+    `compiled` carry `not_compiled_on_torch(reason=reason)`; `ids(value)`
+    names each (pytest names them without it)."""
+    mark = pytest.mark.not_compiled_on_torch(reason=reason)
+    return [
+        pytest.param(
+            value,
+            id=None if ids is None else ids(value),
+            marks=() if value in compiled else mark,
+        )
+        for value in values
+    ]
+
+
 def pytest_collection_modifyitems(config, items):
     selected, deselected = [], []
     for item in items:
@@ -214,6 +229,10 @@ def one_weight(cls=kg.KeepGradModel, dtype=None, layer="dense_0", **options):
 def kernel(model):
     """The kept gradient of the one-weight model's kernel."""
     return model.gradients["dense_0"]["kernel"]
+
+
+# The ids of a test's cases with Keras's step and with `LateBuilt`'s own.
+STEP_IDS = {False: "keras_step", True: "own_step"}
 
 
 class LateBuilt(kg.KeepGradModel):

@@ -15,6 +15,7 @@ import tensorflow as tf
 from conftest import W0
 from conftest import X
 from conftest import Y
+from conftest import compiled_on_torch_only
 from conftest import dense_0
 from conftest import jax_mse_and_gradients
 from conftest import keras_histogram_tag
@@ -83,16 +84,12 @@ def guide_model(cls=GuideStep, dtype=None):
 @GUIDE_BACKENDS
 @pytest.mark.parametrize(
     "optimizer",
-    [
-        "sgd",
-        # The unscaling under torch.compile: tests/torch_backend.
-        pytest.param(
-            "loss_scale",
-            marks=pytest.mark.not_compiled_on_torch(
-                reason="test_loss_scale_optimizer_keeps_the_unscaled_gradient_once"
-            ),
-        ),
-    ],
+    # The unscaling under torch.compile: tests/torch_backend.
+    compiled_on_torch_only(
+        ["sgd", "loss_scale"],
+        ["sgd"],
+        reason="test_loss_scale_optimizer_keeps_the_unscaled_gradient_once",
+    ),
 )
 def test_the_guides_own_step_keeps_5w(mode, optimizer):
     model = guide_model()
@@ -271,11 +268,7 @@ class OneWeightGAN(kg.KeepGradModel):
 
 @GAN_BACKENDS
 @pytest.mark.parametrize(
-    "penalty",
-    [
-        pytest.param(0.0, marks=pytest.mark.not_compiled_on_torch(reason="the 1.0 case")),
-        1.0,
-    ],
+    "penalty", compiled_on_torch_only([0.0, 1.0], [1.0], reason="the 1.0 case")
 )
 def test_a_gan_keeps_what_each_of_its_optimizers_receives(mode, penalty):
     gan = OneWeightGAN(penalty=penalty)
@@ -1046,13 +1039,7 @@ SHARED_OUT = r"share the paths 'out/bias', 'out/kernel': one .* distinct `name`s
 
 @pytest.mark.parametrize(
     "update",
-    [
-        "keras",
-        *(
-            pytest.param(update, marks=pytest.mark.not_compiled_on_torch(reason="the keras case"))
-            for update in ("one", "two", "keep")
-        ),
-    ],
+    compiled_on_torch_only(["keras", "one", "two", "keep"], ["keras"], reason="the keras case"),
 )
 def test_variables_sharing_a_path_raise_before_anything_changes(mode, update):
     model = two_outs(update, **mode)

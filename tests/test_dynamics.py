@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import REPO
+from conftest import compiled_on_torch_only
 from conftest import one_weight
 from dynamics_cases import TWO_INPUT_DATA
 from dynamics_cases import assert_closed_form
@@ -91,18 +92,12 @@ COMPILED_ON_TORCH = (
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(
-            case,
-            id=case.__name__,
-            marks=()
-            if case in COMPILED_ON_TORCH
-            else pytest.mark.not_compiled_on_torch(
-                reason="the statistics' update and result: the cases in COMPILED_ON_TORCH"
-            ),
-        )
-        for case in cases.MODE_CASES
-    ],
+    compiled_on_torch_only(
+        cases.MODE_CASES,
+        COMPILED_ON_TORCH,
+        reason="the statistics' update and result: the cases in COMPILED_ON_TORCH",
+        ids=lambda case: case.__name__,
+    ),
 )
 def test_hand_case_in_every_mode(case, mode):
     case(mode)

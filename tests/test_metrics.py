@@ -16,11 +16,13 @@ import keras
 import numpy as np
 import pytest
 from conftest import MODES
+from conftest import STEP_IDS
 from conftest import W0
 from conftest import LateBuilt
 from conftest import UpdatesByHand
 from conftest import X
 from conftest import Y
+from conftest import compiled_on_torch_only
 from conftest import dense_0
 from conftest import modes
 from conftest import one_weight
@@ -530,16 +532,12 @@ def test_two_gradient_metrics_of_one_name_are_refused_before_training():
 
 @pytest.mark.parametrize(
     "own_step",
-    [
-        pytest.param(False, id="keras_step"),
-        pytest.param(
-            True,
-            id="own_step",
-            marks=pytest.mark.not_compiled_on_torch(
-                reason="an own step built so: test_callbacks_of_a_model_built_by_its_first_batch"
-            ),
-        ),
-    ],
+    compiled_on_torch_only(
+        [False, True],
+        [False],
+        reason="an own step built so: test_callbacks_of_a_model_built_by_its_first_batch",
+        ids=STEP_IDS.get,
+    ),
 )
 def test_metrics_of_a_model_built_by_its_first_batch(mode, own_step):
     # Built by its first batch, after `make_train_function` built the
@@ -551,7 +549,7 @@ def test_metrics_of_a_model_built_by_its_first_batch(mode, own_step):
     assert history["grad_norm/net/dense_0"] == [15.0]
 
 
-@pytest.mark.parametrize("own_step", [False, True], ids=["keras_step", "own_step"])
+@pytest.mark.parametrize("own_step", [False, True], ids=STEP_IDS.get)
 def test_per_layer_keys_of_a_model_built_by_its_first_batch_are_checked(mode, own_step):
     model = LateBuilt(own_step=own_step, name="net")
     metrics = [kgm.GradientNorm(per_layer=True), kgm.GradientNorm(per_layer=True, reduction="max")]
@@ -634,17 +632,9 @@ FAILING = {
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(
-            case,
-            marks=()
-            if case == "fn_raises"
-            else pytest.mark.not_compiled_on_torch(
-                reason="raised where the metric updates, as fn_raises"
-            ),
-        )
-        for case in FAILING
-    ],
+    compiled_on_torch_only(
+        FAILING, ["fn_raises"], reason="raised where the metric updates, as fn_raises"
+    ),
 )
 def test_a_gradient_metric_error_comes_before_anything_changes(case, mode, tmp_path):
     make, metric, error, match = FAILING[case]

@@ -17,10 +17,12 @@ from callback_helpers import hand_model
 from callback_helpers import read_run
 from callback_helpers import scalars
 from conftest import MODES
+from conftest import STEP_IDS
 from conftest import LateBuilt
 from conftest import Recorder
 from conftest import X
 from conftest import Y
+from conftest import compiled_on_torch_only
 from conftest import one_weight
 
 import keras_keepgrad as kg
@@ -160,16 +162,12 @@ def test_keep_every_labels_across_executions_and_fits(tmp_path):
 
 @pytest.mark.parametrize(
     "own_step",
-    [
-        pytest.param(
-            False,
-            id="keras_step",
-            marks=pytest.mark.not_compiled_on_torch(
-                reason="Keras's step: test_metrics_of_a_model_built_by_its_first_batch"
-            ),
-        ),
-        pytest.param(True, id="own_step"),
-    ],
+    compiled_on_torch_only(
+        [False, True],
+        [True],
+        reason="Keras's step: test_metrics_of_a_model_built_by_its_first_batch",
+        ids=STEP_IDS.get,
+    ),
 )
 @pytest.mark.parametrize("mode", list(MODES))
 def test_callbacks_of_a_model_built_by_its_first_batch(tmp_path, mode, own_step):
