@@ -15,7 +15,6 @@ import tensorflow as tf
 from conftest import W0
 from conftest import X
 from conftest import Y
-from conftest import compiled_on_torch_only
 from conftest import dense_0
 from conftest import jax_mse_and_gradients
 from conftest import keras_histogram_tag
@@ -82,15 +81,12 @@ def guide_model(cls=GuideStep, dtype=None):
 
 
 @GUIDE_BACKENDS
-@pytest.mark.parametrize(
-    "optimizer",
-    # The unscaling under torch.compile: tests/torch_backend.
-    compiled_on_torch_only(
-        ["sgd", "loss_scale"],
-        ["sgd"],
-        reason="test_loss_scale_optimizer_keeps_the_unscaled_gradient_once",
-    ),
+@pytest.mark.not_compiled_on_torch(
+    reason="an own step under torch.compile: torch_backend's "
+    "test_own_torch_style_train_step_is_kept and, unscaled, "
+    "test_loss_scale_optimizer_keeps_the_unscaled_gradient_once"
 )
+@pytest.mark.parametrize("optimizer", ["sgd", "loss_scale"])
 def test_the_guides_own_step_keeps_5w(mode, optimizer):
     model = guide_model()
     opt = keras.optimizers.SGD(0.1)
@@ -267,9 +263,11 @@ class OneWeightGAN(kg.KeepGradModel):
 
 
 @GAN_BACKENDS
-@pytest.mark.parametrize(
-    "penalty", compiled_on_torch_only([0.0, 1.0], [1.0], reason="the 1.0 case")
+@pytest.mark.not_compiled_on_torch(
+    reason="two optimizers in an own step: torch_backend's "
+    "test_two_optimizers_in_own_train_step_are_both_kept"
 )
+@pytest.mark.parametrize("penalty", [0.0, 1.0])
 def test_a_gan_keeps_what_each_of_its_optimizers_receives(mode, penalty):
     gan = OneWeightGAN(penalty=penalty)
     gan.compile(
@@ -587,6 +585,9 @@ def hand_update(keep=True):
 
 @pytest.mark.backends(
     "tensorflow", "torch", reason="a stateful train_step (mse_gradients); JAX's steps are stateless"
+)
+@pytest.mark.not_compiled_on_torch(
+    reason="torch_backend's test_keep_step_gradients_without_optimizer"
 )
 def test_keep_step_gradients_keeps_an_update_without_an_optimizer(mode):
     model = hand_update()
@@ -1037,10 +1038,11 @@ def two_outs(update, names=("out", "out"), **compile_kwargs):
 SHARED_OUT = r"share the paths 'out/bias', 'out/kernel': one .* distinct `name`s"
 
 
-@pytest.mark.parametrize(
-    "update",
-    compiled_on_torch_only(["keras", "one", "two", "keep"], ["keras"], reason="the keras case"),
+@pytest.mark.not_compiled_on_torch(
+    reason="raised in the keeping, which runs eagerly under torch.compile: torch_backend's "
+    "test_an_update_that_starts_writing_its_gradients_raises"
 )
+@pytest.mark.parametrize("update", ["keras", "one", "two", "keep"])
 def test_variables_sharing_a_path_raise_before_anything_changes(mode, update):
     model = two_outs(update, **mode)
     with pytest.raises(ValueError, match=SHARED_OUT):
@@ -1065,7 +1067,8 @@ def test_variables_sharing_a_path_raise_before_anything_changes(mode, update):
     "test_variables_sharing_a_path_raise_before_anything_changes",
 )
 @pytest.mark.not_compiled_on_torch(
-    reason="raised where test_variables_sharing_a_path_raise_before_anything_changes's are"
+    reason="raised in the keeping, which runs eagerly under torch.compile: torch_backend's "
+    "test_an_update_that_starts_writing_its_gradients_raises"
 )
 def test_paths_that_collide_across_two_optimizers_raise(mode):
     # The second sub-model is not an attribute, so not the model's: its

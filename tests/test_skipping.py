@@ -57,7 +57,7 @@ SAVING_CASES = [
 # (`_torch_compile`), as in an eager step; what compiling changes is where
 # the step's graphs break around them. These cases cross each of those
 # breaks (the judgement of either kind, an own step, loss scaling, a saved
-# batch with its replay, a step applied and saved); the other cases run
+# batch with its replay); the other cases run
 # there uncompiled (`not_compiled_on_torch`), and compiled on TensorFlow and
 # JAX.
 COMPILED_ON_TORCH = {
@@ -66,7 +66,6 @@ COMPILED_ON_TORCH = {
     cases.own_train_step_is_guarded,
     cases.under_loss_scaling,
     cases.spike_batch_is_saved_and_replays_to_its_gradients,
-    cases.flagged_steps_are_applied_counted_and_saved,
 }
 _NOT_COMPILED_ON_TORCH = pytest.mark.not_compiled_on_torch(
     reason="their breaks are crossed by the cases in COMPILED_ON_TORCH"
