@@ -15,6 +15,7 @@ import tensorflow as tf
 from conftest import W0
 from conftest import X
 from conftest import Y
+from conftest import compiled_on_torch_only
 from conftest import dense_0
 from conftest import jax_mse_and_gradients
 from conftest import keras_histogram_tag
@@ -263,11 +264,9 @@ class OneWeightGAN(kg.KeepGradModel):
 
 
 @GAN_BACKENDS
-@pytest.mark.not_compiled_on_torch(
-    reason="two optimizers in an own step: torch_backend's "
-    "test_two_optimizers_in_own_train_step_are_both_kept"
+@pytest.mark.parametrize(
+    "penalty", compiled_on_torch_only([0.0, 1.0], [1.0], reason="the 1.0 case")
 )
-@pytest.mark.parametrize("penalty", [0.0, 1.0])
 def test_a_gan_keeps_what_each_of_its_optimizers_receives(mode, penalty):
     gan = OneWeightGAN(penalty=penalty)
     gan.compile(
