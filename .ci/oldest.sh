@@ -4,36 +4,56 @@
 # package moved none of it; run the library's fast suite (`-m "not slow"`)
 # on TensorFlow, JAX and PyTorch (under JAX and PyTorch, `tests` collects the
 # contract's modules and that backend's directory: tests/conftest.py). CI's
-# full suite covers the newest set; .ci/run runs this beside it.
+# full suite covers the newest set.
+#
+# `oldest.sh prepare DIR` makes and checks the venv in DIR, `oldest.sh test
+# DIR` runs the suite in it (.ci/run prepares while the main suite runs, so
+# that the install's waits on the disk overlap the tests); `oldest.sh` alone
+# does both.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 start=$SECONDS
-if [ "$#" -ne 0 ]; then
-    echo "usage: oldest.sh (no arguments); received: $*" >&2
+step="${1:-all}"
+case "$step:${2:-}" in
+all:)
+    work="$(mktemp -d)"
+    trap 'rm -rf "$work"' EXIT
+    ;;
+prepare:?* | test:?*) work="$2" ;;
+*)
+    echo "usage: oldest.sh [prepare DIR | test DIR]; received: $*" >&2
     exit 2
-fi
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-python3 -m venv "$work/venv"
-# shellcheck disable=SC1091
-source "$work/venv/bin/activate"
-export PIP_QUIET=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
-# torch==2.13.0 is the CPU wheel this machine carries (a bare `torch` would
-# take the multi-GB CUDA build).
-oldest=(keras==3.10.0 tensorflow-cpu==2.19.0 tensorboard==2.19.0 jax==0.6.0 jaxlib==0.6.0 torch==2.13.0)
-python -m pip install "${oldest[@]}"
-versions() {
-    python -c 'import importlib.metadata as m, sys; print(*(n + "==" + m.version(n) for n in sys.argv[1:]))' \
-        keras tensorflow-cpu tensorboard jax jaxlib torch numpy
+    ;;
+esac
+prepare() {
+    python3 -m venv "$work/venv"
+    # shellcheck disable=SC1091
+    source "$work/venv/bin/activate"
+    export PIP_QUIET=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+    # torch==2.13.0 is the CPU wheel this machine carries (a bare `torch` would
+    # take the multi-GB CUDA build).
+    oldest=(keras==3.10.0 tensorflow-cpu==2.19.0 tensorboard==2.19.0 jax==0.6.0 jaxlib==0.6.0 torch==2.13.0)
+    python -m pip install "${oldest[@]}"
+    versions() {
+        python -c 'import importlib.metadata as m, sys; print(*(n + "==" + m.version(n) for n in sys.argv[1:]))' \
+            keras tensorflow-cpu tensorboard jax jaxlib torch numpy
+    }
+    before="$(versions)"
+    # `test`: pytest, and the JAX and PyTorch the backend suites need.
+    python -m pip install -e "$repo[cpu,test]"
+    if [ "$(versions)" != "$before" ]; then
+        echo "installing keras_keepgrad moved: $before -> $(versions)" >&2
+        exit 1
+    fi
+    echo "oldest set, unmoved by the install: $before ($((SECONDS - start)) s)"
 }
-before="$(versions)"
-# `test`: pytest, and the JAX and PyTorch the backend suites need.
-python -m pip install -e "$repo[cpu,test]"
-if [ "$(versions)" != "$before" ]; then
-    echo "installing keras_keepgrad moved: $before -> $(versions)" >&2
-    exit 1
+if [ "$step" = test ]; then
+    # shellcheck disable=SC1091
+    source "$work/venv/bin/activate"
+else
+    prepare
 fi
-echo "oldest set, unmoved by the install: $before ($((SECONDS - start)) s)"
+[ "$step" = prepare ] && exit 0
 cd "$repo"
 # The library's tests: not those of the repository and its tools (layout,
 # README, docs, tutorials' records and benchmarks, made on the newest set;
@@ -55,4 +75,6 @@ KERAS_BACKEND=jax XLA_FLAGS=--xla_force_host_platform_device_count=2 \
 KERAS_BACKEND=torch \
     python -m pytest -q -n auto -m "not slow" -p no:cacheprovider -k "not jit" \
     tests/torch_backend
-echo "oldest set: installed and tested in $((SECONDS - start)) s"
+done="installed and tested"
+[ "$step" = test ] && done="tested"
+echo "oldest set: $done in $((SECONDS - start)) s"
