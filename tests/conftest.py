@@ -118,13 +118,30 @@ def compiled_on_torch_only(values, compiled, reason, ids=None):
     ]
 
 
+# The longest tests, each a pytest run in a subprocess for minutes, in this
+# order before all others: `.ci/run` deals the tests out one at a time
+# (`--dist load --maxschedchunk 1`), so these start at once on both workers
+# and the run does not end on one worker running one of them alone.
+LONGEST_FIRST = (
+    "tests/test_keras_suite.py::test_keras_suite_passes_on_keepgradmodel",
+    "tests/test_backends.py::test_the_torch_suite_passes",
+    "tests/test_backends.py::test_the_jax_suite_passes",
+    "tests/test_keras_suite.py::test_keras_suite_jit_training_passes_on_torch",
+)
+
+
+def _rank(item):
+    name = item.nodeid.split("[")[0]
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
     selected, deselected = [], []
     for item in items:
         (selected if _runs_here(item) else deselected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
-        items[:] = selected
+    items[:] = sorted(selected, key=_rank)  # stable: the others keep their order
 
 
 def computed_once(tmp_path_factory, name, compute):

@@ -13,6 +13,7 @@ in a subprocess: `KERAS_BACKEND=jax` with two host CPU devices (for
 `DataParallel` and `ModelParallel`), and `KERAS_BACKEND=torch`.
 """
 
+import ast
 import importlib.util
 import os
 import re
@@ -43,11 +44,25 @@ def test_the_parts_cover_the_contract():
     assert sorted(names) == sorted(CONTRACT + ("{backend}_backend",))
 
 
+def test_the_longest_tests_come_first_and_exist():
+    functions = {}
+    for name in conftest.LONGEST_FIRST:
+        path, function = name.split("::")
+        if path not in functions:
+            with open(os.path.join(REPO, path)) as f:
+                tree = ast.parse(f.read())
+            functions[path] = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+        assert function in functions[path], name
+    ranks = [conftest._rank(_Item(None, nodeid=name + "[0]")) for name in conftest.LONGEST_FIRST]
+    assert ranks == list(range(len(conftest.LONGEST_FIRST)))
+    assert conftest._rank(_Item(None, nodeid="tests/test_model.py::t")) == len(ranks)
+
+
 class _Item:
     """What `conftest._runs_here` reads of a collected test."""
 
-    def __init__(self, callspec_id, *marks):
-        self.nodeid = f"t[{callspec_id}]"
+    def __init__(self, callspec_id, *marks, nodeid=None):
+        self.nodeid = nodeid or f"t[{callspec_id}]"
         self.callspec = type("CallSpec", (), {"id": callspec_id})
         self.marks = {mark.name: mark for mark in marks}
 
