@@ -120,8 +120,8 @@ def compiled_on_torch_only(values, compiled, reason, ids=None):
 
 # The longest tests, each a pytest run in a subprocess for minutes, in this
 # order before all others: `.ci/run` deals the tests out one at a time
-# (`--dist load --maxschedchunk 1`), so these start at once on both workers
-# and the run does not end on one worker running one of them alone.
+# (`--dist loadgroup`, after the `xdist_group`s), so these start early on
+# both workers and the run does not end on one worker running one alone.
 LONGEST_FIRST = (
     "tests/test_keras_suite.py::test_keras_suite_passes_on_keepgradmodel",
     "tests/test_backends.py::test_the_torch_suite_passes",

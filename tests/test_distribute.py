@@ -32,8 +32,9 @@ from conftest import free_ports
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Every test here reads the results of a subprocess on 2 logical CPUs or of
-# two worker processes.
-pytestmark = pytest.mark.slow
+# two worker processes; under `--dist loadgroup` (.ci/run) they run on one
+# test worker, which makes each module fixture's subprocess once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("distribute")]
 TIMEOUT = 600
 _MARK = "@@RESULT@@"
 

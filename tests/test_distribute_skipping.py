@@ -28,7 +28,8 @@ from test_distribute import _result
 from test_distribute import _scenario
 from test_distribute import _workers
 
-pytestmark = pytest.mark.slow
+# On one test worker under `--dist loadgroup`: test_distribute.py says why.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("distribute_skipping")]
 
 
 @pytest.fixture(scope="module")

@@ -290,6 +290,11 @@ def _mirrored_regression(strategy, steps, batch):
     return cases.estimate(model.fit(data, epochs=1, verbose=0, shuffle=False).history)
 
 
+# The tests that read `mirrored`, on one test worker under `--dist
+# loadgroup` (.ci/run), which then runs its subprocess once.
+MIRRORED_GROUP = pytest.mark.xdist_group("dynamics_mirrored")
+
+
 @pytest.fixture(scope="module")
 def mirrored():
     code = _PRELUDE.format(repo=REPO, here=HERE)
@@ -304,6 +309,7 @@ def mirrored():
 
 @pytest.mark.backends("tensorflow", reason="tf.distribute.MirroredStrategy")
 @pytest.mark.slow
+@MIRRORED_GROUP
 def test_mirrored_replicas_are_the_small_batches(mirrored):
     assert mirrored["replicas"] == 2
     history = mirrored["one_weight"]
@@ -318,6 +324,7 @@ def test_mirrored_replicas_are_the_small_batches(mirrored):
 
 @pytest.mark.backends("tensorflow", reason="tf.distribute.MirroredStrategy")
 @pytest.mark.slow
+@MIRRORED_GROUP
 def test_mirrored_cosine_is_of_the_global_gradients(mirrored):
     history = mirrored["cosine"]
     assert history["cos/a"] == [pytest.approx(-1.0, rel=1e-6)]
@@ -326,5 +333,6 @@ def test_mirrored_cosine_is_of_the_global_gradients(mirrored):
 
 @pytest.mark.backends("tensorflow", reason="tf.distribute.MirroredStrategy")
 @pytest.mark.slow
+@MIRRORED_GROUP
 def test_mirrored_noise_scale_matches_the_closed_form(mirrored):
     assert_closed_form(mirrored["regression"])

@@ -68,6 +68,11 @@ def test_first_bad_replica_raises_as_gradients_do():
 # MirroredStrategy on 2 logical CPUs ------------------------------------------
 
 
+# The tests that read `mirrored`, on one test worker under `--dist
+# loadgroup` (.ci/run), which then makes it once.
+MIRRORED_GROUP = pytest.mark.xdist_group("replicas_mirrored")
+
+
 @pytest.fixture(scope="module")
 def mirrored(tmp_path_factory):
     return computed_once(tmp_path_factory, "replicas_mirrored", _mirrored)
@@ -101,6 +106,7 @@ def _ok(results, name):
 
 
 @pytest.mark.slow
+@MIRRORED_GROUP
 def test_names_the_replica_whose_share_holds_the_nan(mirrored):
     r = _ok(mirrored, "named")
     assert r["replicas"] == 2
@@ -115,6 +121,7 @@ def test_names_the_replica_whose_share_holds_the_nan(mirrored):
 
 
 @pytest.mark.slow
+@MIRRORED_GROUP
 def test_the_record_is_no_weight_and_follows_the_kept_step(mirrored):
     r = _ok(mirrored, "kept_step")
     # Not in the weights, nor in the saved weights file (as the slots):
@@ -128,6 +135,7 @@ def test_the_record_is_no_weight_and_follows_the_kept_step(mirrored):
 
 
 @pytest.mark.slow
+@MIRRORED_GROUP
 def test_the_monitor_names_the_first_bad_replica(mirrored):
     r = _ok(mirrored, "monitor")
     assert r["messages"] == [
