@@ -1037,10 +1037,14 @@ def two_outs(update, names=("out", "out"), **compile_kwargs):
 SHARED_OUT = r"share the paths 'out/bias', 'out/kernel': one .* distinct `name`s"
 
 
-@pytest.mark.not_compiled_on_torch(
+# The shared-path and colliding-path errors.
+RAISED_IN_THE_KEEPING = pytest.mark.not_compiled_on_torch(
     reason="raised in the keeping, which runs eagerly under torch.compile: torch_backend's "
     "test_an_update_that_starts_writing_its_gradients_raises"
 )
+
+
+@RAISED_IN_THE_KEEPING
 @pytest.mark.parametrize("update", ["keras", "one", "two", "keep"])
 def test_variables_sharing_a_path_raise_before_anything_changes(mode, update):
     model = two_outs(update, **mode)
@@ -1065,10 +1069,7 @@ def test_variables_sharing_a_path_raise_before_anything_changes(mode, update):
     "two optimizers' stateless_apply are checked by "
     "test_variables_sharing_a_path_raise_before_anything_changes",
 )
-@pytest.mark.not_compiled_on_torch(
-    reason="raised in the keeping, which runs eagerly under torch.compile: torch_backend's "
-    "test_an_update_that_starts_writing_its_gradients_raises"
-)
+@RAISED_IN_THE_KEEPING
 def test_paths_that_collide_across_two_optimizers_raise(mode):
     # The second sub-model is not an attribute, so not the model's: its
     # paths meet the first's only at its optimizer. A traced step raises

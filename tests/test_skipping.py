@@ -57,9 +57,8 @@ SAVING_CASES = [
 # (`_torch_compile`), as in an eager step; what compiling changes is where
 # the step's graphs break around them. These cases cross each of those
 # breaks (the judgement of either kind, an own step, loss scaling, a saved
-# batch with its replay); the other cases run
-# there uncompiled (`not_compiled_on_torch`), and compiled on TensorFlow and
-# JAX.
+# batch with its replay); the other cases run there uncompiled
+# (`not_compiled_on_torch`), and compiled on TensorFlow and JAX.
 COMPILED_ON_TORCH = {
     cases.nan_step_leaves_the_state_bit_identical,
     cases.spike_above_the_factor_is_skipped_below_it_is_not,
