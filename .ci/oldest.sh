@@ -2,9 +2,8 @@
 # The oldest tested set (README's "Tested with"): in a fresh venv, install it
 # as a user would have it, then this package, and check that installing the
 # package moved none of it; run the library's fast suite (`-m "not slow"`)
-# on TensorFlow, JAX and PyTorch (under JAX and PyTorch, `tests` collects the
-# contract's modules and that backend's directory: tests/conftest.py). CI's
-# full suite covers the newest set.
+# on TensorFlow (in its default mode on a CPU), JAX and PyTorch (their own
+# directories). CI's full suite covers the newest set.
 #
 # `oldest.sh prepare DIR` makes and checks the venv in DIR, `oldest.sh test
 # DIR` runs the suite in it (.ci/run prepares while the main suite runs, so
@@ -58,8 +57,11 @@ cd "$repo"
 # The library's tests: not those of the repository and its tools (layout,
 # README, docs, tutorials' records and benchmarks, made on the newest set;
 # the harness of Keras's own suite, which reads a test file Keras's wheels
-# ship from 3.15 on only).
-python -m pytest -q -n auto -m "not slow" -p no:cacheprovider \
+# ship from 3.15 on only). A test run in every mode runs in TensorFlow's
+# default on a CPU, a `tf.function` without XLA (`graph`): Keras's step is
+# the same Python in the three, and the tests written for XLA run as they
+# are (tests/conftest.py's KEEPGRAD_TEST_MODES).
+KEEPGRAD_TEST_MODES=graph python -m pytest -q -n auto -m "not slow" -p no:cacheprovider \
     --ignore tests/test_layout.py --ignore tests/test_readme.py \
     --ignore tests/test_doc_snippets.py --ignore tests/test_tutorials.py \
     --ignore tests/test_benchmarks.py --ignore tests/test_backends.py \

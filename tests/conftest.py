@@ -192,6 +192,25 @@ if BACKEND in ("jax", "torch"):
     del MODES["graph"]
 
 
+def asked_modes(modes, asked):
+    """The `modes` a run tests: those named in `asked`, the value of
+    KEEPGRAD_TEST_MODES (comma-separated), or all when it is unset or empty.
+    The oldest tested set runs TensorFlow's default on a CPU, "graph", and
+    the tests written for XLA as they are (.ci/oldest.sh)."""
+    if not asked:
+        return modes
+    names = asked.split(",")
+    if not set(names) <= set(modes):
+        raise pytest.UsageError(
+            f"KEEPGRAD_TEST_MODES names the modes to test, of {sorted(modes)} on {BACKEND}; "
+            f"received {asked!r}"
+        )
+    return {name: modes[name] for name in names}
+
+
+MODES = asked_modes(MODES, os.environ.get("KEEPGRAD_TEST_MODES"))
+
+
 def modes(*names):
     """Those of the `MODES` `names` this backend has: a test that
     parametrizes over a few modes by name runs the ones that exist here."""

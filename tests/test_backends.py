@@ -58,6 +58,18 @@ def test_the_longest_tests_come_first_and_exist():
     assert conftest._rank(_Item(None, nodeid="tests/test_model.py::t")) == len(ranks)
 
 
+def test_a_run_tests_the_modes_it_asks_for():
+    modes = {"eager": 1, "graph": 2, "jit": 3}
+    assert conftest.asked_modes(modes, None) is modes
+    assert conftest.asked_modes(modes, "") is modes
+    assert conftest.asked_modes(modes, "graph") == {"graph": 2}
+    assert conftest.asked_modes(modes, "jit,eager") == {"jit": 3, "eager": 1}
+    with pytest.raises(
+        pytest.UsageError, match="of \\['eager', 'graph', 'jit'\\] .*received 'graph,xla'"
+    ):
+        conftest.asked_modes(modes, "graph,xla")
+
+
 class _Item:
     """What `conftest._runs_here` reads of a collected test."""
 
