@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The oldest tested set (README's "Tested with"): in a fresh venv, install it
 # as a user would have it, then this package, and check that installing the
-# package moved none of it; run the library's fast suite (`-m "not slow"`)
-# on TensorFlow (in its default mode on a CPU), JAX and PyTorch (their own
-# directories). CI's full suite covers the newest set.
+# package moved none of it; run the library's fast tests (`-m "not slow"`)
+# where Keras's internals meet it on TensorFlow (in its default mode on a
+# CPU), and those of JAX and PyTorch (their own directories). CI's full
+# suite covers the newest set.
 #
 # `oldest.sh prepare DIR` makes and checks the venv in DIR, `oldest.sh test
 # DIR` runs the suite in it (.ci/run prepares while the main suite runs, so
@@ -54,18 +55,19 @@ else
 fi
 [ "$step" = prepare ] && exit 0
 cd "$repo"
-# The library's tests: not those of the repository and its tools (layout,
-# README, docs, tutorials' records and benchmarks, made on the newest set;
-# the harness of Keras's own suite, which reads a test file Keras's wheels
-# ship from 3.15 on only). A test run in every mode runs in TensorFlow's
-# default on a CPU, a `tf.function` without XLA (`graph`): Keras's step is
-# the same Python in the three, and the tests written for XLA run as they
-# are (tests/conftest.py's KEEPGRAD_TEST_MODES).
+# The library's tests where Keras's internals meet it (not those of the
+# repository and its tools, made on the newest set): what is kept and how
+# (test_model, test_capture), saving, the optimizers' updates and skipping,
+# the metrics, the version checks and TensorBoard's tags. The statistics,
+# dynamics and callbacks read `model.gradients` and run on the newest set.
+# A test run in every mode runs in TensorFlow's default on a CPU, a
+# `tf.function` without XLA (`graph`): Keras's step is the same Python in
+# the three, and the tests written for XLA run as they are
+# (tests/conftest.py's KEEPGRAD_TEST_MODES).
 KEEPGRAD_TEST_MODES=graph python -m pytest -q -n auto -m "not slow" -p no:cacheprovider \
-    --ignore tests/test_layout.py --ignore tests/test_readme.py \
-    --ignore tests/test_doc_snippets.py --ignore tests/test_tutorials.py \
-    --ignore tests/test_benchmarks.py --ignore tests/test_backends.py \
-    --ignore tests/test_keras_suite.py --ignore tests/keras_suite
+    tests/test_model.py tests/test_capture.py tests/test_saving.py tests/test_skipping.py \
+    tests/test_metrics.py tests/test_compat.py tests/test_versions.py \
+    tests/callbacks/test_tensorboard.py
 # JAX and PyTorch: their own directories on the oldest set. The whole
 # contract on Keras 3.10's JAX trainer still fails three tests (a snapshot,
 # an optional input fed None from a generator, the nested-batch message):
