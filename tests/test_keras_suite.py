@@ -303,16 +303,17 @@ def test_kept_trainer_is_the_running_backends(tmp_path, backend):
         }, f.read()[-3000:]
 
 
-# CI runs Keras's training tests (`trainers/*`: trainer_test.py, where
-# `fit`, `train_step`, the optimizers and loss scaling meet a model), and
-# leaves to the whole run by hand (tests/keras_suite/README.md) the model,
-# saving and callback files (~180 s), which the library's own test_model,
-# test_saving and callbacks tests cover on KeepGradModel; and of
-# trainer_test.py the 37 `steps_per_execution` cases (~100 s), Keras's loop
-# of several steps a call, which test_model.py's
+# CI runs Keras's training tests (trainer_test.py, where `fit`,
+# `train_step`, the optimizers and loss scaling meet a model; the other two
+# files of `trainers/` never make a model), and leaves to the whole run by
+# hand (tests/keras_suite/README.md) the model, saving and callback files
+# (~250 s), which the library's own test_model, test_saving and callbacks
+# tests cover on KeepGradModel; and of trainer_test.py the 37
+# `steps_per_execution` cases (~100 s), Keras's loop of several steps a
+# call, which test_model.py's
 # test_steps_per_execution_callbacks_see_the_last_step and test_metrics.py's
 # test_reductions_over_a_three_step_epoch run on KeepGradModel.
-IN_CI = ("--files", "trainers/*", "-k", "not steps_per_execution")
+IN_CI = ("--files", "trainers/trainer_test.py", "-k", "not steps_per_execution")
 
 
 @pytest.mark.slow
