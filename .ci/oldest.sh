@@ -71,14 +71,25 @@ KEEPGRAD_TEST_MODES=graph python -m pytest -q -n auto -m "not slow" -p no:cachep
 # JAX and PyTorch: their own directories on the oldest set. The whole
 # contract on Keras 3.10's JAX trainer still fails three tests (a snapshot,
 # an optional input fed None from a generator, the nested-batch message):
-# to be examined before it runs here.
+# to be examined before it runs here. The two run side by side, one process
+# each: a few dozen tests apiece, which two workers each would spend mostly
+# starting.
 KERAS_BACKEND=jax XLA_FLAGS=--xla_force_host_platform_device_count=2 \
-    python -m pytest -q -n auto -m "not slow" -p no:cacheprovider tests/jax_backend
+    python -m pytest -q -n 0 -m "not slow" -p no:cacheprovider tests/jax_backend \
+    >"$work/jax.log" 2>&1 &
+jax=$!
 # `jit_compile=True` on PyTorch needs Keras 3.12+ beside PyTorch 2.13: plain
 # Keras 3.10's compiled step fails in TorchDynamo (docs/backends.md).
 KERAS_BACKEND=torch \
-    python -m pytest -q -n auto -m "not slow" -p no:cacheprovider -k "not jit" \
-    tests/torch_backend
+    python -m pytest -q -n 0 -m "not slow" -p no:cacheprovider -k "not jit" \
+    tests/torch_backend >"$work/torch.log" 2>&1 &
+torch=$!
+failed=0
+for backend in jax torch; do
+    wait "${!backend}" || failed=1
+    cat "$work/$backend.log"
+done
+[ "$failed" = 0 ]
 done="installed and tested"
 [ "$step" = test ] && done="tested"
 echo "oldest set: $done in $((SECONDS - start)) s"
