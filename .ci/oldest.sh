@@ -7,9 +7,8 @@
 # suite covers the newest set.
 #
 # `oldest.sh prepare DIR` makes and checks the venv in DIR, `oldest.sh test
-# DIR` runs the suite in it (.ci/run prepares while the main suite runs, so
-# that the install's waits on the disk overlap the tests); `oldest.sh` alone
-# does both.
+# DIR` runs the suite in it (.ci/run prepares beside the fresh-venv demo,
+# before the main suite, and tests after it); `oldest.sh` alone does both.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 start=$SECONDS
