@@ -80,6 +80,10 @@ def pytest_configure(config):
 def _runs_here(item):
     """Whether `item` runs on this backend (its `backends` and
     `not_compiled_on_torch` marks)."""
+    if item.get_closest_marker("release") and not item.get_closest_marker("slow"):
+        # So that `-m "not slow"`, which replaces addopts' `-m "not release"`,
+        # leaves out the release tests too.
+        raise pytest.UsageError(f"{item.nodeid}: a `release` test is `slow` too")
     marker = item.get_closest_marker("backends")
     if marker is not None:
         unknown = set(marker.args) - set(BACKENDS)

@@ -107,6 +107,13 @@ def test_a_case_not_compiled_on_torch_runs_but_its_jit_case_there(backend, monke
         conftest._runs_here(_Item("jit", pytest.mark.not_compiled_on_torch().mark))
 
 
+def test_a_release_test_is_slow_too():
+    release, slow = pytest.mark.release.mark, pytest.mark.slow.mark
+    assert conftest._runs_here(_Item("eager", release, slow)) is True
+    with pytest.raises(pytest.UsageError, match=r"t\[eager\]: a `release` test is `slow` too"):
+        conftest._runs_here(_Item("eager", release))
+
+
 def _run_suite(backend, part, **env):
     paths = [f"tests/{name.format(backend=backend)}" for name in PARTS[part]]
     result = subprocess.run(
@@ -185,7 +192,15 @@ def _tensorflow_lines(script, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["jax", "torch"])
-@pytest.mark.parametrize("script", list(SCRIPTS))
+@pytest.mark.parametrize(
+    "script",
+    # CI runs the demo, the README's first command; the tutorials on JAX
+    # and PyTorch run before a release (`-m release`).
+    [
+        script if script == "demo" else pytest.param(script, marks=pytest.mark.release)
+        for script in SCRIPTS
+    ],
+)
 def test_same_numbers_as_on_tensorflow(script, backend, tmp_path, tmp_path_factory):
     if backend == "torch":
         _require_torch()

@@ -80,6 +80,7 @@ def test_keeping_smoke_writes_every_promised_number(tmp_path):
     assert ops["embedding"]["kept_extra_ops"]["AssignVariableOp"] == 6
 
 
+@pytest.mark.release
 @pytest.mark.slow
 def test_skipping_is_judged_against_keeping_plus_a_judgement_the_update_waits_for(tmp_path):
     # Both floors run; the skip is judged against `kept_guard`, spikes
@@ -247,6 +248,7 @@ def _mirrored_floors():
     return found
 
 
+@pytest.mark.release
 @pytest.mark.slow
 @pytest.mark.backends("tensorflow", reason="the guarded floors are TensorFlow graph floors")
 def test_the_guarded_floors_under_mirrored_update_as_keeping_does_and_skip_a_spike():
@@ -265,6 +267,7 @@ def test_the_guarded_floors_under_mirrored_update_as_keeping_does_and_skip_a_spi
     assert all(w > 1e-5 for w in found["spiked_window"])
 
 
+@pytest.mark.release
 @pytest.mark.slow
 def test_keeping_smoke_times_skipping_under_mirrored(tmp_path):
     variants = ["kept", "kept_wait", "kept_guard", "kept_guard_spike", "skip", "skip_spike"]
@@ -278,6 +281,7 @@ def test_keeping_smoke_times_skipping_under_mirrored(tmp_path):
     assert {"skip - kept_guard", "skip_spike - kept_guard_spike"} <= set(config["wall"]["pairs"])
 
 
+@pytest.mark.release
 @pytest.mark.slow
 def test_processes_pool_their_rounds_and_pool_pools_runs(tmp_path):
     args = ["keeping", "--smoke", "--models", "mlp_1m", "--variants", "kept", "floor"]
@@ -481,7 +485,12 @@ def test_metrics_smoke_times_every_variant_against_the_reference(tmp_path):
     "backend, mirrored, floors",
     [
         ("tensorflow", False, ["floor_window", "floor_window", "floor_dot", "floor_dot"]),
-        ("tensorflow", True, ["floor_replicas", "floor_replicas", "floor_dot", "floor_dot"]),
+        pytest.param(
+            "tensorflow",
+            True,
+            ["floor_replicas", "floor_replicas", "floor_dot", "floor_dot"],
+            marks=pytest.mark.release,
+        ),
         # Whole `fit` calls of 4 steps (one window), the floors' buffers
         # threaded through JAX's stateless step.
         ("jax", False, ["floor_window", "floor_window", "floor_dot", "floor_dot"]),
@@ -533,6 +542,7 @@ def _check_tensorboard_config(config, setup):
 
 
 # `watched`, the default setup, on the tiny model: test_every_backend_runs_in_its_own_process.
+@pytest.mark.release
 @pytest.mark.slow
 @pytest.mark.parametrize("setup", ["batch", "epoch"])
 def test_tensorboard_smoke_times_each_fit_and_its_writes(tmp_path, setup):

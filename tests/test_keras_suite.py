@@ -1,11 +1,11 @@
 """The Keras-suite harness (tests/keras_suite) substitutes what it says.
 
 The suite itself (Keras's own tests on plain Keras and on `KeepGradModel`)
-takes about seven minutes on TensorFlow: CI runs its training tests with the
-rest (`IN_CI`; here alone with `-m keras_suite`, with three of its `_jit`
-training tests on PyTorch), and all of it runs by hand with
-`python3 tests/keras_suite/run.py` (`--backend torch` or `jax` for the
-others).
+takes about seven minutes on TensorFlow. Its training tests, and three of
+its `_jit` training tests on PyTorch, run here before each release and on
+every new Keras (`-m release`, or `-m keras_suite` for them alone; not in
+CI); all of it runs with `python3 tests/keras_suite/run.py` (`--backend
+torch` or `jax` for the others).
 """
 
 import importlib.util
@@ -165,6 +165,7 @@ def test_differences_are_tests_passing_plain_only():
     }
 
 
+@pytest.mark.release
 @pytest.mark.slow  # two pytest processes
 def test_plain_tree_runs_only_what_did_not_pass_kept(tmp_path):
     root = tmp_path / "plain"
@@ -279,6 +280,7 @@ def test_the_backends_trainer_is_kept():
 """
 
 
+@pytest.mark.release
 @pytest.mark.slow  # a pytest process on each backend
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_kept_trainer_is_the_running_backends(tmp_path, backend):
@@ -303,7 +305,7 @@ def test_kept_trainer_is_the_running_backends(tmp_path, backend):
         }, f.read()[-3000:]
 
 
-# CI runs Keras's training tests (trainer_test.py, where `fit`,
+# The release run takes Keras's training tests (trainer_test.py, where `fit`,
 # `train_step`, the optimizers and loss scaling meet a model; the other two
 # files of `trainers/` never make a model), and leaves to the whole run by
 # hand (tests/keras_suite/README.md) the model, saving and callback files
@@ -313,13 +315,14 @@ def test_kept_trainer_is_the_running_backends(tmp_path, backend):
 # call, which test_model.py's
 # test_steps_per_execution_callbacks_see_the_last_step and test_metrics.py's
 # test_reductions_over_a_three_step_epoch run on KeepGradModel.
-IN_CI = ("--files", "trainers/trainer_test.py", "-k", "not steps_per_execution")
+TRAINING = ("--files", "trainers/trainer_test.py", "-k", "not steps_per_execution")
 
 
+@pytest.mark.release
 @pytest.mark.slow
 @pytest.mark.keras_suite
 def test_keras_suite_passes_on_keepgradmodel():
-    assert run.main(list(IN_CI)) == 0
+    assert run.main(list(TRAINING)) == 0
 
 
 # Keras's training tests with `jit_compile=True`, which on PyTorch is
@@ -337,6 +340,7 @@ TORCH_JIT_TRAINING = (
 )
 
 
+@pytest.mark.release
 @pytest.mark.slow
 @pytest.mark.keras_suite
 def test_keras_suite_jit_training_passes_on_torch():
