@@ -541,20 +541,30 @@ def _check_tensorboard_config(config, setup):
         assert set(config["verdicts"]["watched"]) == {"target", "budget", "budget_per_batch"}
 
 
-# `watched`, the default setup, on the tiny model: test_every_backend_runs_in_its_own_process.
-@pytest.mark.release
+# `watched`, the default setup, on the tiny model alone (its `mlp_1m_wide`
+# run is the release's, as are the other setups and every backend's run).
 @pytest.mark.slow
-@pytest.mark.parametrize("setup", ["batch", "epoch"])
+@pytest.mark.parametrize(
+    "setup",
+    [
+        "watched",
+        pytest.param("batch", marks=pytest.mark.release),
+        pytest.param("epoch", marks=pytest.mark.release),
+    ],
+)
 def test_tensorboard_smoke_times_each_fit_and_its_writes(tmp_path, setup):
-    _, result = run_benchmark(tmp_path, "tensorboard", "--smoke", "--setup", setup)
+    models = ("--models", "tiny") if setup == "watched" else ()
+    _, result = run_benchmark(tmp_path, "tensorboard", "--smoke", "--setup", setup, *models)
     for config in result["configs"]:
         _check_tensorboard_config(config, setup)
     assert [c["model"] for c in result["configs"]] == {
+        "watched": ["tiny"],
         "batch": ["mlp_6k", "mlp_1m"],
         "epoch": ["mlp_1m"],
     }[setup]
 
 
+@pytest.mark.release
 @pytest.mark.slow
 def test_every_backend_runs_in_its_own_process(tmp_path):
     args = ("tensorboard", "--smoke", "--models", "tiny", "--backend", "all")
