@@ -79,7 +79,8 @@ def pytest_configure(config):
 
 def _runs_here(item):
     """Whether `item` runs on this backend (its `backends` and
-    `not_compiled_on_torch` marks)."""
+    `not_compiled_on_torch` marks). A mark used wrongly, or a `release`
+    test not marked `slow`, is a usage error."""
     if item.get_closest_marker("release") and not item.get_closest_marker("slow"):
         # So that `-m "not slow"`, which replaces addopts' `-m "not release"`,
         # leaves out the release tests too.
