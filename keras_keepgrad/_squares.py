@@ -46,6 +46,7 @@ else:
 __all__ = [
     "GradientNorms",
     "StepNorms",
+    "entries_finite",
     "group_squares",
     "layer_of",
     "layer_squares",
@@ -191,6 +192,14 @@ def shared_finite(grads_by_path):
             halves = [tf.cast(h, tf.float64) for h in halves]
         return tf.math.is_finite(tf.add_n(halves))
     return ops.all(ops.isfinite(squares))
+
+
+def entries_finite(grads):
+    """Bool scalar: whether every entry of `grads` (a list of tensors) is
+    finite; true for none."""
+    if not grads:
+        return ops.convert_to_tensor(True)
+    return ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))
 
 
 def layer_squares(grads, squares):
