@@ -140,6 +140,32 @@ def test_the_guarded_floor_updates_as_keeping_does_and_runs_without_xla_only():
         models.keeping_model("kept_guard", spec, weights, True, "adam")
 
 
+@pytest.mark.backends("tensorflow", reason="kept_wait is a TensorFlow graph floor")
+def test_the_waiting_floor_under_xla_updates_as_keeping_does_and_judges_the_entries():
+    import tensorflow as tf
+
+    models = load_benchmark("models")
+    spec = models.SMOKE_MODELS["mlp_1m"]
+    weights = _run().initial_weights(spec)
+    x, y = models.batch_of(spec, spec.batch_size * 2)
+    found = {}
+    for variant in ("kept", "kept_wait"):
+        model, _ = models.keeping_model(variant, spec, weights, True, "adam")
+        model.fit(x, y, batch_size=spec.batch_size, shuffle=False, verbose=0)
+        found[variant] = [
+            np.asarray(v) for v in model.trainable_variables + model.optimizer.variables
+        ]
+    # Its judgement is always true here: bit for bit the same two Adam steps.
+    assert len(found["kept"]) == len(found["kept_wait"])
+    assert all(np.array_equal(a, b) for a, b in zip(found["kept"], found["kept_wait"]))
+    # As the skip's under XLA, every entry: 3e38 squared overflows float32,
+    # and is finite.
+    judge = model.optimizer.judge
+    assert bool(judge([tf.constant([3e38, 3e38]), tf.constant([[1.0]])])) is True
+    assert bool(judge([tf.constant([1.0, np.inf]), tf.constant([[1.0]])])) is False
+    assert bool(judge([tf.constant([1.0]), tf.constant([[np.nan]])])) is False
+
+
 @pytest.mark.backends("tensorflow", reason="the spike floors are TensorFlow graph floors")
 @pytest.mark.parametrize(
     "variant, jit_compile",
