@@ -147,6 +147,29 @@ def test_guarded_writes_and_a_branched_update_skip_alike(sgd, guarded, jit_compi
     assert bool(seen) is guarded
 
 
+@pytest.mark.not_compiled_on_torch(
+    reason="PyTorch judges from the sums, compiled or not: its eager case"
+)
+@pytest.mark.parametrize("spikes", [False, True], ids=["nonfinite", "spikes"])
+@pytest.mark.parametrize("name", list(MODES))
+def test_xla_judges_the_entries_without_a_spike_rule_else_the_sums(name, spikes, monkeypatch):
+    # Under XLA a branch on the sums is a conditional that the update's
+    # fusions wait on whole; elsewhere, or where the spike rule reads the
+    # sums anyway, they judge, and the entries only in a branch.
+    from keras_keepgrad import _squares
+
+    asked = []
+    shared_finite = _squares.shared_finite
+    monkeypatch.setattr(_squares, "shared_finite", lambda g: asked.append(1) or shared_finite(g))
+    skipping = kg.SkipBadSteps(spike_factor=3.0, window=3) if spikes else True
+    model = one_weight(skip_bad_steps=skipping)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **MODES[name])
+    logs = [cases.one_step(model, x)["skipped_steps"] for x in (X, cases.NAN_X, X)]
+    assert logs == [0.0, 1.0, 0.0]
+    entries = name == "jit" and BACKEND != "torch" and not spikes
+    assert (asked == []) is entries
+
+
 KERAS_OPTIMIZERS = {
     "adam_accumulating": lambda: keras.optimizers.Adam(1e-2, gradient_accumulation_steps=2),
     "adam_ema": lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=3),
