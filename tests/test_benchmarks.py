@@ -120,44 +120,42 @@ def test_skipping_and_spikes_are_judged_against_the_floors_that_ran(floors, expe
     assert _run().skipping_floors(variants[:-1]) == {"skip": expected["skip"]}
 
 
-@pytest.mark.backends("tensorflow", reason="kept_guard is a TensorFlow graph floor")
-def test_the_guarded_floor_updates_as_keeping_does_and_runs_without_xla_only():
+def _two_adam_steps(floor, jit_compile):
+    """`kept`'s and `floor`'s weights and optimizer variables after the
+    same two Adam steps, and the `floor` model."""
     models = load_benchmark("models")
     spec = models.SMOKE_MODELS["mlp_1m"]
     weights = _run().initial_weights(spec)
     x, y = models.batch_of(spec, spec.batch_size * 2)
     found = {}
-    for variant in ("kept", "kept_guard"):
-        model, _ = models.keeping_model(variant, spec, weights, False, "adam")
+    for variant in ("kept", floor):
+        model, _ = models.keeping_model(variant, spec, weights, jit_compile, "adam")
         model.fit(x, y, batch_size=spec.batch_size, shuffle=False, verbose=0)
         found[variant] = [
             np.asarray(v) for v in model.trainable_variables + model.optimizer.variables
         ]
+    return found["kept"], found[floor], model
+
+
+@pytest.mark.backends("tensorflow", reason="kept_guard is a TensorFlow graph floor")
+def test_the_guarded_floor_updates_as_keeping_does_and_runs_without_xla_only():
+    kept, guarded, _ = _two_adam_steps("kept_guard", False)
     # Its branches are always taken: bit for bit the same two Adam steps.
-    assert all(np.array_equal(a, b) for a, b in zip(found["kept"], found["kept_guard"]))
-    assert len(found["kept"]) == len(found["kept_guard"])
+    assert all(np.array_equal(a, b) for a, b in zip(kept, guarded))
+    assert len(kept) == len(guarded)
+    models = load_benchmark("models")
     with pytest.raises(ValueError, match="without XLA only"):
-        models.keeping_model("kept_guard", spec, weights, True, "adam")
+        models.keeping_model("kept_guard", models.SMOKE_MODELS["mlp_1m"], None, True, "adam")
 
 
 @pytest.mark.backends("tensorflow", reason="kept_wait is a TensorFlow graph floor")
 def test_the_waiting_floor_under_xla_updates_as_keeping_does_and_judges_the_entries():
     import tensorflow as tf
 
-    models = load_benchmark("models")
-    spec = models.SMOKE_MODELS["mlp_1m"]
-    weights = _run().initial_weights(spec)
-    x, y = models.batch_of(spec, spec.batch_size * 2)
-    found = {}
-    for variant in ("kept", "kept_wait"):
-        model, _ = models.keeping_model(variant, spec, weights, True, "adam")
-        model.fit(x, y, batch_size=spec.batch_size, shuffle=False, verbose=0)
-        found[variant] = [
-            np.asarray(v) for v in model.trainable_variables + model.optimizer.variables
-        ]
+    kept, waiting, model = _two_adam_steps("kept_wait", True)
     # Its judgement is always true here: bit for bit the same two Adam steps.
-    assert len(found["kept"]) == len(found["kept_wait"])
-    assert all(np.array_equal(a, b) for a, b in zip(found["kept"], found["kept_wait"]))
+    assert len(kept) == len(waiting)
+    assert all(np.array_equal(a, b) for a, b in zip(kept, waiting))
     # As the skip's under XLA, every entry: 3e38 squared overflows float32,
     # and is finite.
     judge = model.optimizer.judge
