@@ -367,8 +367,8 @@ def _waiting(optimizer_class, jit_compile, guarded=False, spikes=False):
 
         def judge(self, grads):
             if jit_compile and not spikes:
-                # Under XLA the skip looks at every entry (fused into one
-                # pass, no branch): its floor's judgement is that pass.
+                # Under XLA the non-finite skip looks at every entry (fused
+                # into one pass, no branch): its floor's judgement is that.
                 finite = [tf.reduce_all(tf.math.is_finite(values(g))) for g in grads]
                 return tf.reduce_all(tf.stack(finite))
             # One pass per gradient, as the skip's judgement makes (`l2_loss`).
