@@ -359,10 +359,7 @@ class Guard:
                 "non-finite gradients of its own)."
             )
         grads = [ops.cast(backend.densify(g), "float32") for g in kept]
-        # Each gradient's sum of squares (the spike rule's norm), shared
-        # with the step's statistics and gradient metrics where they asked.
         by_index = dict(enumerate(grads))
-        squares = _squares.shared_squares(by_index)
         finite = ops.convert_to_tensor(True)
         if grads and config.spike_factor is None and self._compiled_by_tf_xla():
             # No norm is read: XLA fuses a look at every entry into one
@@ -379,9 +376,8 @@ class Guard:
             # looked at. (Under XLA with the spike rule, looking at every
             # entry besides the sums measured 5.1 points of a step beyond
             # the floor in one run, the branch +0.5 and +1.2 in two pools
-            # of three;
-            # without XLA it is no cheaper than the branch; on PyTorch it
-            # is two more kernels a gradient.)
+            # of three; without XLA it is no cheaper than the branch; on
+            # PyTorch it is two more kernels a gradient.)
             finite = _ops.cond(
                 _squares.shared_finite(by_index),
                 lambda: ops.convert_to_tensor(True),
@@ -391,6 +387,10 @@ class Guard:
         a = _spikes.TENSORS
         if config.spike_factor is not None:
             a = _spikes.arithmetic()
+            # Each gradient's sum of squares (the norm), shared with the
+            # step's statistics and gradient metrics where they asked, and
+            # with the finite judgement above.
+            squares = _squares.shared_squares(by_index)
             # With several updates a step, the k-th's own window.
             row = None if most == 1 else self.judged - 1
             spiked, self.state["norms"] = _spikes.spike(
