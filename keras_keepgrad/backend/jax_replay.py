@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import keras
 
 from keras_keepgrad import _replicas
+from keras_keepgrad import _squares
 
 __all__ = ["bad_devices", "devices_to_name", "replay_gradients"]
 
@@ -89,7 +90,7 @@ def bad_devices(model, state, data, finite, count):
     def bad(batch):
         # As scaled in the step: what overflows there overflows here.
         grads = _scaled_gradients(model, *batch, scale / count, state)
-        return jnp.logical_not(jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads])))
+        return jnp.logical_not(_squares.entries_finite(list(grads)))
 
     def replay(batch):
         return jax.lax.map(bad, jax.tree_util.tree_map(rows, batch))

@@ -13,6 +13,7 @@ from typing import Any
 import keras
 
 from keras_keepgrad import _checks
+from keras_keepgrad._squares import entries_finite
 from keras_keepgrad._squares import layer_squares
 from keras_keepgrad._squares import shared_squares
 from keras_keepgrad.metrics._backend import tf
@@ -145,13 +146,10 @@ class NonFiniteGradients(GradientMetric):
         # A finite sum of squares has finite entries; a non-finite one may
         # be a float32 overflow, which the entries themselves tell apart.
         squares = shared_squares(grads)
-
-        def entries_finite():
-            finite = [tf.reduce_all(tf.math.is_finite(as_float32(g))) for g in grads.values()]
-            return tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
-
         all_finite = tf.cond(
-            tf.reduce_all(tf.math.is_finite(squares)), lambda: tf.constant(True), entries_finite
+            tf.reduce_all(tf.math.is_finite(squares)),
+            lambda: tf.constant(True),
+            lambda: entries_finite([as_float32(g) for g in grads.values()]),
         )
         return {self.name: 1.0 - tf.cast(all_finite, tf.float32)}
 
